@@ -1,0 +1,203 @@
+"""Hugging Face safetensors -> sharded jax arrays, each device reading only its own slice.
+
+safetensors' numpy backend cannot represent bfloat16, so the files are read here directly: the header
+is JSON, the data a flat buffer, and each slice comes out of a read-only memory map (ml_dtypes gives
+numpy its bfloat16), so no host ever holds a full copy of the model. Only safetensors, never pickle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import struct
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+
+DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint jaxinfer cannot load: the message names the file or tensor and what is wrong."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One weight in our layout and where it lives in a Hugging Face checkpoint.
+
+    `view` splits the HF tensor's dims into groups (e.g. q_proj [H*D, E] is ((H, D), (E,))); our array is
+    that view transposed by `perm`, with axis repeat[0] repeated repeat[1] times (KV-head replication).
+    A leading "layers" axis stacks the tensors named by `hf` with {layer} = 0..L-1.
+    """
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    hf: str
+    view: tuple[tuple[int, ...], ...] | None = None
+    perm: tuple[int, ...] | None = None
+    repeat: tuple[int, int] = (0, 1)
+
+    @property
+    def stacked(self) -> bool:
+        return self.axes[0] == "layers"
+
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        return self.shape[1:] if self.stacked else self.shape
+
+    @property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        if self.view is not None:
+            return self.view
+        shape = list(self.layer_shape)
+        shape[self.repeat[0]] //= self.repeat[1]
+        perm = self.perm or tuple(range(len(shape)))
+        return tuple((shape[perm.index(j)],) for j in range(len(shape)))
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        return tuple(math.prod(g) for g in self.groups)
+
+    def hf_names(self, num_layers: int) -> list[str]:
+        return [self.hf.format(layer=i) for i in range(num_layers)] if self.stacked else [self.hf]
+
+
+class SafetensorsFile:
+    """One .safetensors file: header parsed and checked against the file size, data memory-mapped."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        size = path.stat().st_size
+        try:
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                if n > size - 8:
+                    raise ValueError(f"header length {n} exceeds the file")
+                header = json.loads(f.read(n))
+        except (struct.error, ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path} is not a valid safetensors file (corrupt header: {e})") from None
+        header.pop("__metadata__", None)
+        self.tensors = header
+        self.data_start = 8 + n
+        end = max((t["data_offsets"][1] for t in header.values()), default=0)
+        if self.data_start + end > size:
+            raise CheckpointError(f"{path} is truncated: its header describes {self.data_start + end} bytes "
+                                  f"but the file has {size}; download it again")
+        self._map = np.memmap(path, dtype=np.uint8, mode="r") if size else None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name]["shape"])
+
+    def array(self, name: str) -> np.ndarray:
+        """A zero-copy view: slicing it reads only the touched pages."""
+        t = self.tensors[name]
+        if t["dtype"] not in DTYPES:
+            raise CheckpointError(f"tensor {name!r} in {self.path} has dtype {t['dtype']}; "
+                                  f"jaxinfer reads {', '.join(DTYPES)}")
+        begin, end = t["data_offsets"]
+        raw = self._map[self.data_start + begin: self.data_start + end]
+        return raw.view(DTYPES[t["dtype"]]).reshape(t["shape"])
+
+
+class Checkpoint:
+    """The safetensors files of a Hugging Face directory (one file, or several with an index)."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        else:
+            names = sorted(p.name for p in path.glob("*.safetensors"))
+            weight_map = None
+        if not names:
+            raise CheckpointError(f"{str(path)!r} has no *.safetensors files (jaxinfer reads only safetensors)")
+        for n in names:
+            if not (path / n).is_file():
+                raise CheckpointError(f"{index} names {n}, which is missing from {path}")
+        self.path = path
+        self.files = {n: SafetensorsFile(path / n) for n in names}
+        self.where = {t: f for f in self.files.values() for t in f.tensors}
+        if weight_map:
+            for t, n in weight_map.items():
+                if t not in self.files[n].tensors:
+                    raise CheckpointError(f"{index} places {t!r} in {n}, but that file does not hold it")
+
+    def check(self, specs: dict[str, ParamSpec], num_layers: int) -> None:
+        """Every tensor present with the shape the config implies, before anything is read or compiled."""
+        for key, spec in specs.items():
+            for name in spec.hf_names(num_layers):
+                if name not in self.where:
+                    raise CheckpointError(f"checkpoint {self.path} lacks tensor {name!r} (needed for {key})")
+                found = self.where[name].shape(name)
+                if found != spec.hf_shape:
+                    raise CheckpointError(f"tensor {name!r} has shape {list(found)} but config.json implies "
+                                          f"{list(spec.hf_shape)}: config and weights do not match")
+
+    def read(self, spec: ParamSpec, index: tuple[slice, ...], num_layers: int) -> np.ndarray:
+        """Our-layout slice `index` of a parameter, reading only the rows it needs from each tensor."""
+        if spec.stacked:
+            layers = range(*index[0].indices(spec.shape[0]))
+            names = [spec.hf.format(layer=i) for i in layers]
+            return np.stack([self._read_one(spec, n, index[1:]) for n in names])
+        return self._read_one(spec, spec.hf, index)
+
+    def _read_one(self, spec: ParamSpec, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        shape = spec.layer_shape
+        ours = [s.indices(n)[:2] for s, n in zip(index, shape, strict=True)]
+        axis, r = spec.repeat
+        lo, hi = ours[axis]
+        ours[axis] = (lo // r, -(-hi // r))                      # source heads behind replicated ones
+        perm = spec.perm or tuple(range(len(shape)))
+        view_idx = [ours[perm.index(j)] for j in range(len(shape))]
+        hf_idx, dims, rest, j = [], [], [], 0
+        for group in spec.groups:
+            inner = math.prod(group[1:])
+            sub = view_idx[j: j + len(group)]
+            if all(s == (0, n) for s, n in zip(sub[1:], group[1:], strict=True)):  # one contiguous row range
+                hf_idx.append(slice(sub[0][0] * inner, sub[0][1] * inner))
+                dims += [sub[0][1] - sub[0][0], *group[1:]]
+                rest += [slice(None)] * len(group)
+            else:
+                hf_idx.append(slice(None))
+                dims += list(group)
+                rest += [slice(a, b) for a, b in sub]
+            j += len(group)
+        data = self.where[name].array(name)[tuple(hf_idx)].reshape(dims)[tuple(rest)]
+        data = np.transpose(data, perm)
+        if r > 1:
+            data = np.repeat(data, r, axis=axis)
+            start = lo - ours[axis][0] * r
+            data = np.take(data, range(start, start + hi - lo), axis=axis)
+        return data
+
+
+def load_params(ckpt: Checkpoint, specs: dict[str, ParamSpec], sharding_of: Callable, dtype,
+                num_layers: int) -> dict[str, jax.Array]:
+    """Sharded parameters; jax asks for each device's slice and only that slice is read and cast."""
+    ckpt.check(specs, num_layers)
+    params = {}
+    for i, (key, spec) in enumerate(specs.items()):
+        _progress(i, len(specs), key)
+        params[key] = jax.make_array_from_callback(
+            spec.shape, sharding_of(spec.axes),
+            lambda idx, spec=spec: ckpt.read(spec, idx, num_layers).astype(dtype))
+    _progress(len(specs), len(specs), "done")
+    return params
+
+
+def _progress(done: int, total: int, what: str) -> None:
+    width = 30
+    bar = "#" * (width * done // total) + "." * (width - width * done // total)
+    end = "\n" if done == total else ""
+    if sys.stderr.isatty() or done == total:
+        sys.stderr.write(f"\rloading weights [{bar}] {done}/{total} {what:<12}{end}")
+        sys.stderr.flush()

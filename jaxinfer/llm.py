@@ -1,0 +1,94 @@
+"""LLM: the library API (vLLM's shape). Load a checkpoint onto a mesh, then generate, chat or score."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.checkpoint import Checkpoint, load_params
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine import Completion, Engine
+from jaxinfer.mesh import MeshConfig
+from jaxinfer.models import model_for
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.sharding import Layout, kv_head_repeat, validate
+from jaxinfer.tokenizer import Tokenizer, TokenizerError
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+log = logging.getLogger("jaxinfer")
+
+Prompt = str | list[int]
+
+
+def resolve_dtype(dtype: str, cfg: ModelConfig):
+    """"auto" serves in the checkpoint's own dtype."""
+    name = cfg.checkpoint_dtype if dtype == "auto" else dtype
+    if name not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+class LLM:
+    """A Hugging Face checkpoint served on a (dp, pp, tp, ep, sp) mesh, e.g. LLM(path, mesh="tp=2")."""
+
+    def __init__(self, model: str | Path, mesh: str | MeshConfig = "", dtype: str = "auto"):
+        self.path = Path(model)
+        self.config = ModelConfig.from_dir(self.path)
+        self.mesh_config = MeshConfig.parse(mesh)
+        validate(self.config, self.mesh_config)
+        self.mesh_config.check_devices(len(jax.devices()))
+        self.dtype = resolve_dtype(dtype, self.config)
+        checkpoint = Checkpoint(self.path)
+        try:
+            self.tokenizer: Tokenizer | None = Tokenizer.from_dir(self.path)
+        except TokenizerError:
+            self.tokenizer = None  # token-id prompts still work
+        self.layout = Layout(self.mesh_config.make())
+        repeat = kv_head_repeat(self.config, self.mesh_config.tp)
+        arch = model_for(self.config)
+        specs = arch.param_specs(self.config, repeat)
+        params = load_params(checkpoint, specs, self.layout.sharding, self.dtype, self.config.num_layers)
+        self.engine = Engine(arch, self.config, self.layout, params, self.dtype, self.config.num_kv_heads * repeat)
+        log.info("loaded %s (%s) on mesh %s in %s", self.path, self.config.architecture, self.mesh_config,
+                 jnp.dtype(self.dtype).name)
+
+    def parameter_bytes_per_device(self) -> int:
+        """Bytes of weights each device holds (its shards of every array)."""
+        leaves = jax.tree.leaves(self.engine.params)
+        return max(sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == d)
+                   for d in self.layout.mesh.devices.flat)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise TokenizerError(f"{self.path} has no tokenizer.json: pass prompts as lists of token ids")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
+        """One Completion per prompt; prompts are strings or token-id lists, params one or one per prompt."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
+        return self.engine.generate([self.encode(p) for p in prompts], params, self.tokenizer)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
+        """Applies the checkpoint's chat template to one conversation (or a list of them) and generates."""
+        if self.tokenizer is None:
+            raise TokenizerError(f"{self.path} has no tokenizer.json, so no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.tokenizer.chat_ids(c) for c in conversations], params)
+
+    def logits(self, token_id_lists: list[list[int]]) -> list[np.ndarray]:
+        """Per sequence, float32 logits [T, V] of one full forward pass: the ground-truth hook for tests."""
+        return self.engine.logits([[int(t) for t in ids] for ids in token_id_lists])

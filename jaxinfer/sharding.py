@@ -1,0 +1,80 @@
+"""The logical-axis rules table: the one place that says which mesh axis shards which named dimension.
+
+Model code names dimensions logically ("embed", "heads", ...); changing the parallel layout means
+changing the mesh, never the model. Tensor parallel is Megatron-style: QKV and gate/up are split by
+output (heads, mlp), O and down by input, so each layer needs one all-reduce after attention and one
+after the MLP; the vocabulary is split for the embedding and the LM head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.mesh import MeshConfig, MeshError
+
+Axes = tuple[str | None, ...]
+
+RULES: dict[str, str | None] = {
+    "batch": "dp",      # data parallel: each replica serves its own rows
+    "vocab": "tp",      # vocabulary-parallel embedding and LM head
+    "embed": None,      # the residual stream is replicated within a tp group
+    "heads": "tp",      # column-parallel Q, row-parallel O
+    "kv_heads": "tp",   # K/V heads (replicated first where tp exceeds them)
+    "mlp": "tp",        # column-parallel gate/up, row-parallel down
+    "layers": None,     # pipeline stages will take slices of this axis over pp
+    "seq": None,        # ring attention will shard this over sp
+    "cache_seq": None,
+    "head_dim": None,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A mesh plus the rules table: turns logical axes into shardings."""
+
+    mesh: jax.sharding.Mesh
+    rules: tuple[tuple[str, str | None], ...] = tuple(RULES.items())
+
+    def spec(self, axes: Axes) -> PartitionSpec:
+        rules = dict(self.rules)
+        return PartitionSpec(*(rules[a] if a is not None else None for a in axes))
+
+    def sharding(self, axes: Axes) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(axes))
+
+    def constrain(self, x: jax.Array, axes: Axes) -> jax.Array:
+        return jax.lax.with_sharding_constraint(x, self.sharding(axes))
+
+    def axis_size(self, logical: str) -> int:
+        mesh_axis = dict(self.rules)[logical]
+        return 1 if mesh_axis is None else self.mesh.shape[mesh_axis]
+
+
+def kv_head_repeat(cfg: ModelConfig, tp: int) -> int:
+    """How often each KV head is replicated so every tp shard holds the KV heads its query heads use."""
+    return tp // cfg.num_kv_heads if tp > cfg.num_kv_heads else 1
+
+
+def validate(cfg: ModelConfig, mesh: MeshConfig) -> None:
+    """Refuse, before anything compiles, a mesh this model cannot be split over."""
+    tp = mesh.tp
+    if cfg.num_heads % tp:
+        raise MeshError(f"tp={tp} does not divide the model's {cfg.num_heads} attention heads; "
+                        f"use a tp that divides {cfg.num_heads}")
+    if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+        raise MeshError(f"tp={tp} and the model's {cfg.num_kv_heads} KV heads must divide one another "
+                        f"(KV heads are split when tp divides them and replicated when they divide tp)")
+    if cfg.intermediate_size % tp:
+        raise MeshError(f"tp={tp} does not divide the MLP width {cfg.intermediate_size}")
+    if cfg.vocab_size % tp:
+        raise MeshError(f"tp={tp} does not divide the vocabulary of {cfg.vocab_size} tokens "
+                        f"(vocabulary-parallel LM head); use a tp that divides {cfg.vocab_size}")
+    for axis, what in (("pp", "pipeline parallel"), ("ep", "expert parallel (MoE models only)"),
+                       ("sp", "sequence parallel (ring attention)")):
+        if getattr(mesh, axis) > 1:
+            raise MeshError(f"{axis}={getattr(mesh, axis)}: {what} is not available for {cfg.architecture} "
+                            f"in this version of jaxinfer; use {axis}=1 with dp and tp")

@@ -1,0 +1,131 @@
+"""The Llama decoder (Llama 1-3.x, Mistral, Qwen2 with q/k/v biases, Qwen3 with q/k RMSNorm).
+
+Layer weights are stacked along a leading "layers" axis and the forward pass scans over them. The
+model names dimensions logically; `layout.constrain` maps them to the mesh through the rules table.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.attention import attention
+from jaxinfer.checkpoint import ParamSpec
+from jaxinfer.config import ModelConfig
+from jaxinfer.kv_cache import KVCache, write
+from jaxinfer.sharding import Layout
+
+LAYER = "model.layers.{layer}."
+
+
+def param_specs(cfg: ModelConfig, kv_repeat: int = 1) -> dict[str, ParamSpec]:
+    """Our layout of every weight, its logical axes, and where it lives in a Hugging Face checkpoint."""
+    E, M, H, KV, D, L, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                            cfg.head_dim, cfg.num_layers, cfg.vocab_size)
+    KVr = KV * kv_repeat
+    attn = LAYER + "self_attn."
+    specs = {
+        "embed": ParamSpec((V, E), ("vocab", "embed"), "model.embed_tokens.weight"),
+        "final_norm": ParamSpec((E,), ("embed",), "model.norm.weight"),
+        "lm_head": ParamSpec((E, V), ("embed", "vocab"),
+                             "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight",
+                             perm=(1, 0)),
+        "attn_norm": ParamSpec((L, E), ("layers", "embed"), LAYER + "input_layernorm.weight"),
+        "mlp_norm": ParamSpec((L, E), ("layers", "embed"), LAYER + "post_attention_layernorm.weight"),
+        "wq": ParamSpec((L, E, H, D), ("layers", "embed", "heads", "head_dim"), attn + "q_proj.weight",
+                        view=((H, D), (E,)), perm=(2, 0, 1)),
+        "wk": ParamSpec((L, E, KVr, D), ("layers", "embed", "kv_heads", "head_dim"), attn + "k_proj.weight",
+                        view=((KV, D), (E,)), perm=(2, 0, 1), repeat=(1, kv_repeat)),
+        "wv": ParamSpec((L, E, KVr, D), ("layers", "embed", "kv_heads", "head_dim"), attn + "v_proj.weight",
+                        view=((KV, D), (E,)), perm=(2, 0, 1), repeat=(1, kv_repeat)),
+        "wo": ParamSpec((L, H, D, E), ("layers", "heads", "head_dim", "embed"), attn + "o_proj.weight",
+                        view=((E,), (H, D)), perm=(1, 2, 0)),
+        "w_gate": ParamSpec((L, E, M), ("layers", "embed", "mlp"), LAYER + "mlp.gate_proj.weight", perm=(1, 0)),
+        "w_up": ParamSpec((L, E, M), ("layers", "embed", "mlp"), LAYER + "mlp.up_proj.weight", perm=(1, 0)),
+        "w_down": ParamSpec((L, M, E), ("layers", "mlp", "embed"), LAYER + "mlp.down_proj.weight", perm=(1, 0)),
+    }
+    if cfg.qkv_bias:
+        specs["bq"] = ParamSpec((L, H, D), ("layers", "heads", "head_dim"), attn + "q_proj.bias", view=((H, D),))
+        for name, hf in (("bk", "k_proj.bias"), ("bv", "v_proj.bias")):
+            specs[name] = ParamSpec((L, KVr, D), ("layers", "kv_heads", "head_dim"), attn + hf,
+                                    view=((KV, D),), repeat=(0, kv_repeat))
+    if cfg.qk_norm:
+        specs["q_norm"] = ParamSpec((L, D), ("layers", "head_dim"), attn + "q_norm.weight")
+        specs["k_norm"] = ParamSpec((L, D), ("layers", "head_dim"), attn + "k_norm.weight")
+    return specs
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return w * x32.astype(x.dtype)
+
+
+def rope_frequencies(cfg: ModelConfig) -> jax.Array:
+    """Inverse frequencies, with Llama 3 ("llama3") or linear position-interpolation scaling."""
+    D = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))
+    rope = cfg.rope
+    kind = rope.get("rope_type", "default")
+    if kind == "linear":
+        inv = inv / rope["factor"]
+    elif kind == "llama3":
+        factor, lo, hi = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        old = rope["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = jnp.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+        inv = jnp.where(medium, smoothed, scaled)
+    return inv
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding in the rotate-half convention of the Hugging Face checkpoints. x: [B, T, N, D]."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq          # [B, T, D/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None].astype(x.dtype)
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None].astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, cfg: ModelConfig,
+            layout: Layout) -> tuple[jax.Array, KVCache]:
+    """tokens, positions: [B, T] (row b's tokens sit at positions[b, 0] + t). Writes their keys/values
+    into the cache and returns the final hidden states [B, T, E] and the new cache."""
+    act = ("batch", "seq", "embed")
+    x = layout.constrain(params["embed"][tokens], act)
+    inv_freq = rope_frequencies(cfg)
+    start = positions[:, 0]
+
+    def layer(x, p_and_cache):
+        p, k_cache, v_cache = p_and_cache
+        h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+        q = jnp.einsum("bte,ehd->bthd", h, p["wq"])
+        k = jnp.einsum("bte,ehd->bthd", h, p["wk"])
+        v = jnp.einsum("bte,ehd->bthd", h, p["wv"])
+        if cfg.qkv_bias:
+            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+        if cfg.qk_norm:
+            q, k = rms_norm(q, p["q_norm"], cfg.rms_norm_eps), rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        k_cache, v_cache = write(k_cache, k, start), write(v_cache, v, start)
+        o = attention(q, k_cache, v_cache, positions)
+        x = x + layout.constrain(jnp.einsum("bthd,hde->bte", o, p["wo"]), act)   # all-reduce over tp
+        h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+        gated = jax.nn.silu(jnp.einsum("bte,em->btm", h, p["w_gate"])) * jnp.einsum("bte,em->btm", h, p["w_up"])
+        x = x + layout.constrain(jnp.einsum("btm,me->bte", gated, p["w_down"]), act)  # all-reduce over tp
+        return x, (k_cache, v_cache)
+
+    layers = {k: v for k, v in params.items() if k not in ("embed", "final_norm", "lm_head")}
+    x, (k, v) = jax.lax.scan(layer, x, (layers, cache.k, cache.v))
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), KVCache(k=k, v=v)
+
+
+def lm_head(params: dict, h: jax.Array) -> jax.Array:
+    """float32 logits over the (vocabulary-parallel) LM head."""
+    return jnp.einsum("...e,ev->...v", h, params["lm_head"], preferred_element_type=jnp.float32)

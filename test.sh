@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set-up and the whole test suite on CPU with 8 fake devices (tests/conftest.py sets them).
+set -euo pipefail
+cd "$(dirname "$0")"
+bash scripts/bootstrap.sh
+.venv/bin/ruff check .
+exec .venv/bin/python -m pytest -q "$@"
