@@ -1,0 +1,75 @@
+"""Random-weight Hugging Face checkpoints that jaxinfer writes itself: the launcher's embedded default
+model and the benchmark's ~100M model. They go through the same loader as any real checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.tokenizer import byte_level_tokenizer_json
+
+# Byte-level vocabulary: <unk>=0, <s>=1, </s>=2, <pad>=3, then byte b is token 4 + b.
+BYTE_VOCAB = 260
+
+DEFAULT = {  # the launcher's embedded model: small enough to compile in seconds on CPU, GQA, tp up to 8
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": BYTE_VOCAB,
+    "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8,
+    "num_key_value_heads": 4, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3, "torch_dtype": "float32",
+}
+
+BENCH_100M = {**DEFAULT, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
+              "num_attention_heads": 12, "num_key_value_heads": 4, "vocab_size": 32000,
+              "max_position_embeddings": 2048}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("JAXINFER_CACHE", Path.home() / ".cache" / "jaxinfer"))
+
+
+def write_random_checkpoint(path: str | Path, config: dict, seed: int = 0) -> Path:
+    """A complete checkpoint directory (config, safetensors, byte-level tokenizer) with random weights."""
+    from jaxinfer.models import model_for
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = ModelConfig.from_dict(config)
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for spec in model_for(cfg).param_specs(cfg).values():
+        for name in spec.hf_names(cfg.num_layers):
+            if name in tensors:
+                continue  # tied embeddings
+            if name.endswith("norm.weight"):
+                tensors[name] = np.ones(spec.hf_shape, np.float32)
+            else:
+                std = 1.0 / np.sqrt(spec.hf_shape[-1])
+                tensors[name] = (rng.standard_normal(spec.hf_shape, np.float32) * std).astype(np.float32)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    if config["vocab_size"] >= BYTE_VOCAB:
+        (path / "tokenizer.json").write_text(byte_level_tokenizer_json())
+        (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                                "pad_token": "<pad>", "add_bos_token": True}))
+        (path / "chat_template.jinja").write_text(
+            "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+            "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+    return path
+
+
+def ensure(name: str, config: dict) -> Path:
+    """The named random checkpoint under the cache directory, written on first use."""
+    path = cache_dir() / name
+    stamp = path / "config.json"
+    if not stamp.is_file() or json.loads(stamp.read_text()) != config:
+        write_random_checkpoint(path, config)
+    return path
+
+
+def default_model() -> Path:
+    return ensure("default-random-llama", DEFAULT)
