@@ -46,6 +46,7 @@ class StepStats:
     decode_tokens: int = 0
     batch: int = 0
     cache_length: int = 0
+    compile_seconds: float = 0.0
 
 
 def bucket(n: int, minimum: int = 1, multiple: int = 1) -> int:
@@ -59,22 +60,35 @@ class Engine:
     def __init__(self, model, cfg: ModelConfig, layout: Layout, params: dict, dtype, kv_heads: int):
         self.model, self.cfg, self.layout, self.params = model, cfg, layout, params
         self.dtype, self.kv_heads = dtype, kv_heads
-        self.compilations = 0  # traces of a step function: each is one XLA compilation
         self.stats = StepStats()
-        self.prefill_step = jax.jit(self._prefill, donate_argnums=(1,))
-        self.decode_step = jax.jit(self._decode, donate_argnums=(1,))
-        self.logits_step = jax.jit(self._logits)
+        self.executables: dict[tuple, jax.stages.Compiled] = {}  # one per step and bucket
+        self.last: dict[str, jax.stages.Compiled] = {}            # the latest executable of each step
+        self._jitted = {"prefill": jax.jit(self._prefill, donate_argnums=(1,)),
+                        "decode": jax.jit(self._decode, donate_argnums=(1,)),
+                        "logits": jax.jit(self._logits)}
+
+    @property
+    def compilations(self) -> int:
+        return len(self.executables)
+
+    def run(self, step: str, *args):
+        """Compile ahead of time once per bucket (timed apart from execution), then execute."""
+        key = (step, *(jax.typeof(x) for x in jax.tree.leaves(args[1:])))
+        if key not in self.executables:
+            t0 = time.perf_counter()
+            self.executables[key] = self._jitted[step].lower(self.params, *args).compile()
+            self.stats.compile_seconds += time.perf_counter() - t0
+        self.last[step] = self.executables[key]
+        return self.executables[key](self.params, *args)
 
     # ---- device: pure functions of fixed shapes -------------------------------------------------
     def _prefill(self, params, cache, tokens, positions, last, sampling):
-        self.compilations += 1
         h, cache = self.model.forward(params, tokens, positions, cache, self.cfg, self.layout)
         rows = jnp.arange(tokens.shape[0])
         logits = self.model.lm_head(params, h[rows, last])
         return self._sample(logits, sampling, positions[rows, last] + 1), cache
 
     def _decode(self, params, cache, tokens, positions, sampling):
-        self.compilations += 1
         h, cache = self.model.forward(params, tokens[:, None], positions[:, None], cache, self.cfg, self.layout)
         logits = self.model.lm_head(params, h[:, 0])
         return self._sample(logits, sampling, positions + 1), cache
@@ -86,7 +100,6 @@ class Engine:
         return sample(self.layout.constrain(logits, ("batch", None)), sampling, positions)
 
     def _logits(self, params, tokens):
-        self.compilations += 1
         B, T = tokens.shape
         cache = KVCache(*(jnp.zeros((self.cfg.num_layers, B, T, self.kv_heads, self.cfg.head_dim), self.dtype),) * 2)
         positions = jnp.broadcast_to(jnp.arange(T), (B, T))
@@ -120,7 +133,7 @@ class Engine:
         for i, ids in enumerate(sequences):
             tokens[i, : len(ids)] = ids
         tokens = jax.device_put(tokens, self.layout.sharding(("batch", "seq")))
-        out = np.asarray(self.logits_step(self.params, tokens))
+        out = np.asarray(self.run("logits", tokens))
         return [out[i, : len(ids)] for i, ids in enumerate(sequences)]
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
@@ -142,32 +155,34 @@ class Engine:
         rows = [_Row(ids, p, b, self.cfg.eos_token_ids, tokenizer) for ids, p, b in zip(prompts, params, budget,
                                                                                        strict=True)]
         self.stats = StepStats(batch=B, cache_length=S, prefill_tokens=sum(map(len, prompts)))
-
-        t0 = time.perf_counter()
+        shard = self.layout.sharding
         cache = self.new_cache(B, S)
         positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
-        shard = self.layout.sharding
-        next_tokens, cache = self.prefill_step(self.params, cache, jax.device_put(tokens, shard(("batch", "seq"))),
-                                               jax.device_put(positions, shard(("batch", "seq"))),
-                                               jax.device_put(last, shard(("batch",))), sampling)
-        next_tokens = np.asarray(next_tokens)
-        self.stats.prefill_seconds = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
+        prefill_args = (jax.device_put(tokens, shard(("batch", "seq"))),
+                        jax.device_put(positions, shard(("batch", "seq"))), jax.device_put(last, shard(("batch",))))
+        next_tokens, cache = self._timed("prefill", cache, *prefill_args, sampling)
         pos = last + 1
         while True:
             for i, row in enumerate(rows):
                 row.add(int(next_tokens[i]))
             if all(r.finish_reason for r in rows):
                 break
-            next_tokens, cache = self.decode_step(self.params, cache, jax.device_put(next_tokens, shard(("batch",))),
-                                                  jax.device_put(pos, shard(("batch",))), sampling)
-            next_tokens = np.asarray(next_tokens)
+            next_tokens, cache = self._timed("decode", cache, jax.device_put(next_tokens, shard(("batch",))),
+                                             jax.device_put(pos, shard(("batch",))), sampling)
             pos = pos + 1
             self.stats.decode_steps += 1
-        self.stats.decode_seconds = time.perf_counter() - t0
         self.stats.decode_tokens = sum(len(r.token_ids) - 1 for r in rows)
         return [r.completion() for r in rows]
+
+    def _timed(self, step: str, *args):
+        """Runs a step to completion; its time, without compilation, is added to the stats."""
+        compile_before = self.stats.compile_seconds
+        t0 = time.perf_counter()
+        next_tokens, cache = self.run(step, *args)
+        next_tokens = np.asarray(next_tokens)
+        seconds = time.perf_counter() - t0 - (self.stats.compile_seconds - compile_before)
+        setattr(self.stats, f"{step}_seconds", getattr(self.stats, f"{step}_seconds") + seconds)
+        return next_tokens, cache
 
 
 class _Row:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.checkpoint import Checkpoint, load_params
+from jaxinfer.collectives import collective_report
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import Completion, Engine
 from jaxinfer.mesh import MeshConfig
@@ -88,6 +89,11 @@ class LLM:
             raise TokenizerError(f"{self.path} has no tokenizer.json, so no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([self.tokenizer.chat_ids(c) for c in conversations], params)
+
+    def collective_report(self) -> dict:
+        """Collectives executed by the latest compiled prefill and decode steps (per step, per device)."""
+        return {step: collective_report(self.engine.last[step].as_text())
+                for step in ("prefill", "decode") if step in self.engine.last}
 
     def logits(self, token_id_lists: list[list[int]]) -> list[np.ndarray]:
         """Per sequence, float32 logits [T, V] of one full forward pass: the ground-truth hook for tests."""

@@ -13,8 +13,10 @@ from safetensors.numpy import save_file
 from jaxinfer.config import ModelConfig
 from jaxinfer.tokenizer import byte_level_tokenizer_json
 
-# Byte-level vocabulary: <unk>=0, <s>=1, </s>=2, <pad>=3, then byte b is token 4 + b.
-BYTE_VOCAB = 260
+# Byte-level vocabulary: <unk>=0, <s>=1, </s>=2, <pad>=3, four reserved specials (so that the vocabulary,
+# 264, divides tp=8), then byte b is token 8 + b.
+SPECIALS = ("<unk>", "<s>", "</s>", "<pad>", *(f"<reserved_{i}>" for i in range(4)))
+BYTE_VOCAB = len(SPECIALS) + 256
 
 DEFAULT = {  # the launcher's embedded model: small enough to compile in seconds on CPU, GQA, tp up to 8
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": BYTE_VOCAB,
@@ -53,7 +55,7 @@ def write_random_checkpoint(path: str | Path, config: dict, seed: int = 0) -> Pa
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2))
     if config["vocab_size"] >= BYTE_VOCAB:
-        (path / "tokenizer.json").write_text(byte_level_tokenizer_json())
+        (path / "tokenizer.json").write_text(byte_level_tokenizer_json(SPECIALS))
         (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
                                                                 "pad_token": "<pad>", "add_bos_token": True}))
         (path / "chat_template.jinja").write_text(

@@ -1,0 +1,126 @@
+"""`python -m jaxinfer.launch`: serve one prompt (or chat turn) on a mesh and report what it cost.
+
+    python -m jaxinfer.launch --mesh tp=8                 # embedded random-weight model, fake CPU devices
+    python -m jaxinfer.launch --mesh dp=2,tp=4 --model /ckpt/Llama-3.1-8B-Instruct --prompt "Hello"
+    python -m jaxinfer.launch --mesh llama-70b-8gpu --model /ckpt/Llama-3.3-70B --chat "Hi" --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from absl import logging
+
+from jaxinfer.mesh import MeshConfig, MeshError, provide_host_devices
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m jaxinfer.launch", description=__doc__.split("\n")[0])
+    p.add_argument("--mesh", default="", help='axes, e.g. "tp=8" or "dp=2,tp=4", or a preset name/.toml path')
+    p.add_argument("--model", default=None, help="Hugging Face checkpoint directory "
+                   "(default: an embedded small random-weight Llama that jaxinfer writes itself)")
+    text = p.add_mutually_exclusive_group()
+    text.add_argument("--prompt", default=None, help="raw prompt text")
+    text.add_argument("--chat", default=None, help="one user message, wrapped in the checkpoint's chat template")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--report-collectives", action="store_true",
+                   help="print the collectives of the compiled prefill and decode steps")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        mesh = MeshConfig.parse(args.mesh)
+    except MeshError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    provide_host_devices(max(mesh.size, 1))  # before JAX starts; only the CPU platform reads it
+
+    import jax
+
+    from jaxinfer.collectives import format_report
+    from jaxinfer.llm import LLM
+    from jaxinfer.random_model import default_model
+    from jaxinfer.sampling import SamplingParams
+
+    logging.set_verbosity(logging.INFO)
+    if jax.default_backend() == "cpu":
+        logging.info("no accelerator found: running on %d fake CPU devices", len(jax.devices()))
+    random_weights = args.model is None
+    path = default_model() if random_weights else args.model
+    try:
+        llm = LLM(path, mesh=mesh, dtype=args.dtype)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
+                                ignore_eos=args.ignore_eos)
+        if args.chat is not None:
+            out = llm.chat([{"role": "user", "content": args.chat}], params)[0]
+        else:
+            out = llm.generate([args.prompt if args.prompt is not None else "The capital of France is"], params)[0]
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result = summary(llm, out, random_weights)
+    if args.report_collectives or args.json:
+        result["collectives"] = llm.collective_report()
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(readable(result))
+    if args.report_collectives:
+        print(format_report(result["collectives"]))
+    return 0
+
+
+def summary(llm, out, random_weights: bool) -> dict:
+    s = llm.engine.stats
+    return {
+        "model": str(llm.path) + (" (random weights)" if random_weights else ""),
+        "random_weights": random_weights,
+        "architecture": llm.config.architecture,
+        "mesh": {a: getattr(llm.mesh_config, a) for a in ("dp", "pp", "tp", "ep", "sp")},
+        "devices": llm.mesh_config.size,
+        "platform": llm.layout.mesh.devices.flat[0].platform,
+        "dtype": llm.engine.dtype.__name__ if hasattr(llm.engine.dtype, "__name__") else str(llm.engine.dtype),
+        "parameter_bytes_per_device": llm.parameter_bytes_per_device(),
+        "prompt_tokens": len(out.prompt_token_ids),
+        "output_token_ids": out.token_ids,
+        "output_text": out.text,
+        "finish_reason": out.finish_reason,
+        "prefill_seconds": s.prefill_seconds,
+        "prefill_tokens_per_second": s.prefill_tokens / s.prefill_seconds if s.prefill_seconds else 0.0,
+        "decode_seconds": s.decode_seconds,
+        "decode_tokens_per_second": s.decode_tokens / s.decode_seconds if s.decode_seconds else 0.0,
+        "compile_seconds": s.compile_seconds,
+    }
+
+
+def readable(r: dict) -> str:
+    mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1) or "single device"
+    return "\n".join([
+        f"model   {r['model']} [{r['architecture']}, {r['dtype']}]",
+        f"mesh    {mesh} on {r['devices']} {r['platform']} device(s); "
+        f"{r['parameter_bytes_per_device'] / 2**20:.1f} MiB of weights per device",
+        f"prompt  {r['prompt_tokens']} tokens",
+        f"output  {r['output_text']!r}",
+        f"        {len(r['output_token_ids'])} tokens, finish_reason={r['finish_reason']}",
+        f"prefill {r['prefill_seconds']:.3f} s ({r['prefill_tokens_per_second']:.1f} tokens/s)",
+        f"decode  {r['decode_seconds']:.3f} s ({r['decode_tokens_per_second']:.1f} tokens/s)",
+        f"compile {r['compile_seconds']:.1f} s (not counted above)",
+    ])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
