@@ -84,9 +84,9 @@ class Engine:
     # ---- device: pure functions of fixed shapes -------------------------------------------------
     def _prefill(self, params, cache, tokens, positions, last, sampling):
         h, cache = self.model.forward(params, tokens, positions, cache, self.cfg, self.layout)
-        rows = jnp.arange(tokens.shape[0])
-        logits = self.model.lm_head(params, h[rows, last])
-        return self._sample(logits, sampling, positions[rows, last] + 1), cache
+        at_last = lambda x: jnp.take_along_axis(x, last.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]  # noqa: E731
+        logits = self.model.lm_head(params, at_last(h))                 # a per-row gather: no cross-row traffic
+        return self._sample(logits, sampling, at_last(positions) + 1), cache
 
     def _decode(self, params, cache, tokens, positions, sampling):
         h, cache = self.model.forward(params, tokens[:, None], positions[:, None], cache, self.cfg, self.layout)

@@ -1,0 +1,78 @@
+"""Generation mechanics: ragged batches, bucketing without recompilation, and the collective pattern."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine import bucket
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "hf-tiny"
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llama_tp4():
+    return LLM(FIXTURES / "llama", mesh="tp=4", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = np.load(FIXTURES / "llama" / "golden.npz")
+    return [list(map(int, g["input_ids"][i, :n])) for i, n in enumerate(g["lengths"])]
+
+
+def test_batch_of_different_lengths_equals_each_alone(llama_tp4, prompts):
+    sampled = SamplingParams(max_tokens=8, temperature=0.9, top_k=50, seed=7, ignore_eos=True)
+    mixed = [GREEDY, sampled, GREEDY, sampled]
+    together = llama_tp4.generate(prompts, mixed)
+    for prompt, params, out in zip(prompts, mixed, together, strict=True):
+        alone = llama_tp4.generate([prompt], params)[0]
+        assert out.token_ids == alone.token_ids
+
+
+def test_no_recompilation_per_token_or_prompt_length(llama_tp4, prompts):
+    llama_tp4.generate([prompts[0][:3]], GREEDY)                        # warm: batch 1, prompt bucket 16
+    before = llama_tp4.engine.compilations
+    for n in range(1, 12):                                              # every length in the bucket
+        out = llama_tp4.generate([prompts[3][:n]], SamplingParams(max_tokens=5 + n, temperature=0))
+        assert len(out[0].token_ids) >= 1
+    assert llama_tp4.engine.compilations == before
+
+
+def collective_counts(report, kind):
+    return report[kind]["count"], report[kind]["bytes"]
+
+
+@pytest.mark.parametrize("mesh,batch", [("tp=4", 1), ("dp=2,tp=2", 4)])
+def test_decode_step_has_two_all_reduces_per_layer(mesh, batch, prompts):
+    llm = llama_tp4_or_new(mesh)
+    llm.generate(prompts[:batch], GREEDY)
+    cfg, dp = llm.config, llm.mesh_config.dp
+    rows, E, V, L, f32 = batch // dp, cfg.hidden_size, cfg.vocab_size, cfg.num_layers, 4
+    decode, prefill = llm.collective_report()["decode"], llm.collective_report()["prefill"]
+    # per layer: one all-reduce after attention, one after the MLP; outside: the vocabulary-parallel embedding
+    assert collective_counts(decode, "all-reduce") == (2 * L + 1, (2 * L + 1) * rows * E * f32)
+    # the vocabulary-parallel logits are gathered once, for the sampler
+    assert collective_counts(decode, "all-gather") == (1, rows * V * f32)
+    for kind in ("all-to-all", "collective-permute", "reduce-scatter"):
+        assert collective_counts(decode, kind) == (0, 0)
+    T = bucket(max(map(len, prompts[:batch])), 16)  # the prompt bucket
+    assert collective_counts(prefill, "all-reduce") == (2 * L + 1, (2 * L + 1) * rows * T * E * f32)
+
+
+_llms = {}
+
+
+def llama_tp4_or_new(mesh):
+    if mesh not in _llms:
+        _llms[mesh] = LLM(FIXTURES / "llama", mesh=mesh, dtype="float32")
+    return _llms[mesh]
+
+
+def test_chat_applies_template(llama_tp4):
+    out = llama_tp4.chat([{"role": "user", "content": "Hi"}], GREEDY)[0]
+    expected = llama_tp4.tokenizer.encode("<s>user: Hi</s><s>assistant:")
+    assert out.prompt_token_ids == expected
+    assert out.token_ids == llama_tp4.generate([expected], GREEDY)[0].token_ids
