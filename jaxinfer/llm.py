@@ -75,6 +75,8 @@ class LLM:
         """One Completion per prompt; prompts are strings or token-id lists, params one or one per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not prompts:
+            return []
         params = params or SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)

@@ -51,6 +51,7 @@ class SamplingArrays:
     top_p: jax.Array        # float32 [B]
     min_p: jax.Array        # float32 [B]
     seed: jax.Array         # uint32 [B]
+    all_greedy: jax.Array   # bool [], known on the host: lets the sampler skip the sort without a collective
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], batch: int, seeds: list[int]) -> SamplingArrays:
@@ -60,14 +61,22 @@ class SamplingArrays:
                    top_k=col(lambda p: max(p.top_k, 0), np.int32, 0),
                    top_p=col(lambda p: p.top_p, np.float32, 1.0),
                    min_p=col(lambda p: p.min_p, np.float32, 0.0),
-                   seed=np.array(list(seeds) + [0] * pad, np.uint32))
+                   seed=np.array(list(seeds) + [0] * pad, np.uint32),
+                   all_greedy=np.array(all(p.temperature == 0 for p in params)))
 
 
 def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array) -> jax.Array:
     """Next token per row from float32 logits [B, V]. The key of row b is (seed, position), so a request
     samples the same tokens whatever else shares its batch."""
-    B, V = logits.shape
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # The vocabulary sort below costs more than the argmax by far: skip it when every row is greedy.
+    return jax.lax.cond(s.all_greedy, lambda: greedy,
+                        lambda: jnp.where(s.temperature > 0, _sample_filtered(logits, s, positions), greedy))
+
+
+def _sample_filtered(logits: jax.Array, s: SamplingArrays, positions: jax.Array) -> jax.Array:
+    """Temperature, then top-k, top-p and min-p as one cut-off on the descending sort, then a draw."""
+    V = logits.shape[-1]
     x = logits / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
     ranked = -jnp.sort(-x, axis=-1)                                     # descending
     probs = jax.nn.softmax(ranked, axis=-1)
@@ -81,5 +90,4 @@ def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array) -> jax.Ar
     threshold = jnp.take_along_axis(ranked, keep.sum(-1, keepdims=True) - 1, axis=-1)
     x = jnp.where(x >= threshold, x, -jnp.inf)
     keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.key(seed), pos))(s.seed, positions)
-    sampled = jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)
-    return jnp.where(s.temperature > 0, sampled, greedy)
+    return jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)
