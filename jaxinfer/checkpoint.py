@@ -79,12 +79,14 @@ class SafetensorsFile:
                 if n > size - 8:
                     raise ValueError(f"header length {n} exceeds the file")
                 header = json.loads(f.read(n))
-        except (struct.error, ValueError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path} is not a valid safetensors file (corrupt header: {e})") from None
-        header.pop("__metadata__", None)
+            header.pop("__metadata__", None)
+            end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
+            for t in header.values():
+                t["shape"], t["dtype"] = list(t["shape"]), str(t["dtype"])
+        except (struct.error, ValueError, UnicodeDecodeError, AttributeError, TypeError, KeyError, IndexError) as e:
+            raise CheckpointError(f"{path} is not a valid safetensors file (corrupt header: {e!r})") from None
         self.tensors = header
         self.data_start = 8 + n
-        end = max((t["data_offsets"][1] for t in header.values()), default=0)
         if self.data_start + end > size:
             raise CheckpointError(f"{path} is truncated: its header describes {self.data_start + end} bytes "
                                   f"but the file has {size}; download it again")
@@ -113,8 +115,14 @@ class Checkpoint:
             raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
         index = path / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = dict(json.loads(index.read_text())["weight_map"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index} is not a valid safetensors index (needs a weight_map): {e!r}") from None
             names = sorted(set(weight_map.values()))
+            outside = [n for n in names if Path(n).name != n]
+            if outside:
+                raise CheckpointError(f"{index} names shard files outside the checkpoint directory: {outside}")
         else:
             names = sorted(p.name for p in path.glob("*.safetensors"))
             weight_map = None

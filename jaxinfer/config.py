@@ -113,14 +113,24 @@ class ModelConfig:
         f = path / "config.json"
         if not f.is_file():
             raise ConfigError(f"{str(path)!r} has no config.json: is it a Hugging Face checkpoint directory?")
-        cfg = cls.from_dict(json.loads(f.read_text()))
+        cfg = cls.from_dict(_read_json(f))
         gen = path / "generation_config.json"
         if gen.is_file():  # generation_config's EOS list (e.g. Llama 3.1's <|eot_id|>) adds to config.json's
-            eos = json.loads(gen.read_text()).get("eos_token_id")
+            eos = _read_json(gen).get("eos_token_id")
             eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
             merged = tuple(dict.fromkeys([*cfg.eos_token_ids, *eos]))
             cfg = dataclasses.replace(cfg, eos_token_ids=merged)
         return cfg
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    return value
 
 
 def _context_length(c: dict[str, Any]) -> int:

@@ -68,18 +68,19 @@ class LLM:
             if self.tokenizer is None:
                 raise TokenizerError(f"{self.path} has no tokenizer.json: pass prompts as lists of token ids")
             return self.tokenizer.encode(prompt)
+        if not all(isinstance(t, int | np.integer) for t in prompt):
+            raise TypeError("a prompt is a string or a list of integer token ids")
         return [int(t) for t in prompt]
 
     def generate(self, prompts: Prompt | list[Prompt],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
         """One Completion per prompt; prompts are strings or token-id lists, params one or one per prompt."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (prompts and not isinstance(prompts[0], str | list | tuple)):
             prompts = [prompts]
         if not prompts:
             return []
-        params = params or SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
         return self.engine.generate([self.encode(p) for p in prompts], params, self.tokenizer)

@@ -63,7 +63,7 @@ class MeshConfig:
         for name, n in sizes.items():
             if name not in AXES:
                 raise MeshError(f"unknown mesh axis {name!r} in {source!r}; the axes are {', '.join(AXES)}")
-            if not isinstance(n, int) or n < 1:
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise MeshError(f"mesh axis {name}={n!r} in {source!r} must be an integer >= 1")
         return cls(**sizes)
 

@@ -2,9 +2,8 @@
 
 from types import ModuleType
 
-from jaxinfer.models import llama
-
 from jaxinfer.config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig
+from jaxinfer.models import llama
 
 ARCHITECTURES: dict[str, ModuleType] = {arch: llama for arch in SUPPORTED_ARCHITECTURES}
 
