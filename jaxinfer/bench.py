@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from jaxinfer.mesh import MeshConfig, MeshError, provide_host_devices
+from jaxinfer.mesh import MeshError, mesh_for_cli
 
 GB = 1e9
 MBU_FORMULA = ("MBU = (W + K) * decode_steps / decode_seconds / bandwidth; W = parameter-shard bytes summed "
@@ -169,11 +169,10 @@ def readable(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        mesh = MeshConfig.parse(args.mesh)
+        mesh_for_cli(args.mesh)
     except MeshError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    provide_host_devices(max(mesh.size, 1))  # before JAX starts; only the CPU platform reads it
     try:
         result = run(args)
     except (ValueError, OSError) as e:

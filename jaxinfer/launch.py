@@ -13,7 +13,7 @@ import sys
 
 from absl import logging
 
-from jaxinfer.mesh import MeshConfig, MeshError, provide_host_devices
+from jaxinfer.mesh import MeshError, mesh_for_cli
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,11 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        mesh = MeshConfig.parse(args.mesh)
+        mesh = mesh_for_cli(args.mesh)
     except MeshError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    provide_host_devices(max(mesh.size, 1))  # before JAX starts; only the CPU platform reads it
 
     import jax
 

@@ -105,6 +105,13 @@ class MeshConfig:
                              axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
 
 
+def mesh_for_cli(spec: str) -> MeshConfig:
+    """Parse a --mesh flag and, before JAX starts, ask XLA for the CPU devices it needs."""
+    mesh = MeshConfig.parse(spec)
+    provide_host_devices(mesh.size)
+    return mesh
+
+
 def provide_host_devices(n: int) -> None:
     """Ask XLA for n CPU devices; must run before JAX initialises. Harmless when an accelerator exists."""
     flag = "--xla_force_host_platform_device_count"
