@@ -41,3 +41,19 @@ def test_logits_and_greedy_match_reference(name, mesh):
     for prompt, out, ref in zip(prompts, outs, ref_greedy, strict=True):
         assert out.finish_reason == "length" and len(out.token_ids) == len(ref)
         check_greedy_path(llm, prompt, out.token_ids, ref)
+
+
+def test_mistral_is_the_llama_block(tmp_path):
+    """MistralForCausalLM checkpoints (no sliding window) load and run as the Llama block they are."""
+    import json
+    import shutil
+
+    shutil.copytree(FIXTURES / "llama", tmp_path / "mistral")
+    cfg = json.loads((tmp_path / "mistral" / "config.json").read_text())
+    cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None)
+    (tmp_path / "mistral" / "config.json").write_text(json.dumps(cfg))
+    prompts, ref_logits, _ = golden("llama")
+    llm = LLM(tmp_path / "mistral", mesh="tp=2", dtype="float32")
+    assert llm.config.architecture == "MistralForCausalLM"
+    for i, logits in enumerate(llm.logits(prompts)):
+        np.testing.assert_allclose(logits, ref_logits[i, : len(prompts[i])], atol=TOL, rtol=0)
