@@ -1,5 +1,7 @@
 """Numerics against the Hugging Face reference (../shared/fixtures/hf-tiny) on every layout we claim."""
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -45,9 +47,6 @@ def test_logits_and_greedy_match_reference(name, mesh):
 
 def test_mistral_is_the_llama_block(tmp_path):
     """MistralForCausalLM checkpoints (no sliding window) load and run as the Llama block they are."""
-    import json
-    import shutil
-
     shutil.copytree(FIXTURES / "llama", tmp_path / "mistral")
     cfg = json.loads((tmp_path / "mistral" / "config.json").read_text())
     cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None)
