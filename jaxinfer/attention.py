@@ -1,25 +1,103 @@
-"""The attention entry point models call. It hides how attention runs (XLA reference here; the Pallas
-kernel and ring attention plug in behind the same signature)."""
+"""The attention entry points models call: RoPE + KV-cache write, and ragged paged attention.
+
+They hide how attention runs. Both take the whole step (every data-parallel replica's tokens) and run
+per device under shard_map: each device sees its replica's tokens, its tp share of the heads and its
+replica's pages, and calls either the pure-jnp reference ("xla", the default on CPU) or the Pallas
+kernel ("pallas", the default on GPU; interpret mode on CPU). No collective is needed: attention is
+local to a KV head, and a replica's requests live in its own pages.
+"""
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
+from flax import struct
+from jax.sharding import PartitionSpec
+
+from jaxinfer.kv_cache import POOL_AXES, PagedKVCache
+from jaxinfer.pallas_kernels.ragged_paged_attention import (
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
+from jaxinfer.pallas_kernels.rope_cache import rope_and_write, rope_and_write_reference
+from jaxinfer.sharding import Layout
+
+BACKENDS = ("xla", "pallas")
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array) -> jax.Array:
-    """Causal GQA attention of new queries against a cache.
+@struct.dataclass
+class StepMetadata:
+    """Where each token of a flat ragged step belongs. Leading axis: the dp replica (local page ids)."""
 
-    q: [B, T, H, D] queries at absolute positions q_positions [B, T];
-    k, v: [B, S, KV, D] the cache, slot s holding position s. Query t sees slots s <= q_positions[b, t].
-    Returns [B, T, H, D] in q's dtype; scores and softmax in float32.
-    """
-    B, T, H, D = q.shape
-    S, KV = k.shape[1], k.shape[2]
-    qg = q.reshape(B, T, KV, H // KV, D)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(D)
-    visible = jnp.arange(S)[None, None, :] <= q_positions[:, :, None]     # [B, T, S]
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(B, T, H, D).astype(q.dtype)
+    positions: jax.Array    # int32 [R, N] absolute position of each token
+    slots: jax.Array        # int32 [R, N] cache slot page * page_size + offset; pages * page_size = padding
+    page_table: jax.Array   # int32 [R, S, max_pages]
+    seq_lens: jax.Array     # int32 [R, S] KV length of each sequence after this step
+    query_start: jax.Array  # int32 [R, S + 1] sequence s owns tokens [query_start[s], query_start[s + 1])
+    num_seqs: jax.Array     # int32 [R]
+    backend: str = struct.field(pytree_node=False, default="xla")
+
+
+TOKENS, META = ("batch", "seq"), {"page_table": ("batch", None, None), "seq_lens": ("batch", None),
+                                  "query_start": ("batch", None), "num_seqs": ("batch",)}
+
+
+def _interpret(layout: Layout) -> bool:
+    return layout.mesh.devices.flat[0].platform == "cpu"
+
+
+def rope_and_store(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, layer: jax.Array,
+                   meta: StepMetadata, inv_freq: jax.Array, layout: Layout) -> tuple[jax.Array, PagedKVCache]:
+    """Rotary embedding on q and k, and k/v written into their pages. q: [R, N, H, D], k, v: [R, N, KV, D]."""
+    if meta.backend == "pallas":
+        interpret = _interpret(layout)
+        kernel = lambda *a: rope_and_write(*a, interpret=interpret)  # noqa: E731
+    else:
+        kernel = rope_and_write_reference
+
+    def local(q, k, v, k_pages, v_pages, layer, positions, slots, inv_freq):
+        q, k_pages, v_pages = kernel(q[0], k[0], v[0], k_pages, v_pages, layer, positions[0], slots[0], inv_freq)
+        return q[None], k_pages, v_pages
+
+    spec = layout.spec
+    heads, kv_heads = spec((*TOKENS, "heads", "head_dim")), spec((*TOKENS, "kv_heads", "head_dim"))
+    q, k_pages, v_pages = jax.shard_map(
+        local, mesh=layout.mesh, check_vma=False,
+        in_specs=(heads, kv_heads, kv_heads, spec(POOL_AXES), spec(POOL_AXES), PartitionSpec(), spec(TOKENS),
+                  spec(TOKENS), PartitionSpec()),
+        out_specs=(heads, spec(POOL_AXES), spec(POOL_AXES)),
+    )(q, k, v, cache.k, cache.v, layer, meta.positions, meta.slots, inv_freq)
+    return q, PagedKVCache(k=k_pages, v=v_pages)
+
+
+def paged_attention(q: jax.Array, cache: PagedKVCache, layer: jax.Array, meta: StepMetadata,
+                    layout: Layout) -> jax.Array:
+    """Causal GQA attention of each token over its own sequence's pages. q: [R, N, H, D] -> [R, N, H, D]."""
+    scale = 1.0 / float(q.shape[-1]) ** 0.5
+    if meta.backend == "pallas":
+        interpret = _interpret(layout)
+        kernel = lambda *a: ragged_paged_attention(*a, sm_scale=scale, interpret=interpret)  # noqa: E731
+    else:
+        kernel = lambda *a: ragged_paged_attention_reference(*a, sm_scale=scale)  # noqa: E731
+
+    def local(q, k_pages, v_pages, layer, page_table, seq_lens, query_start, num_seqs):
+        return kernel(q[0], k_pages, v_pages, layer, page_table[0], seq_lens[0], query_start[0], num_seqs[0])[None]
+
+    spec = layout.spec
+    heads = spec((*TOKENS, "heads", "head_dim"))
+    return jax.shard_map(
+        local, mesh=layout.mesh, check_vma=False,
+        in_specs=(heads, spec(POOL_AXES), spec(POOL_AXES), PartitionSpec(),
+                  *(spec(META[f]) for f in ("page_table", "seq_lens", "query_start", "num_seqs"))),
+        out_specs=heads,
+    )(q, cache.k, cache.v, layer, meta.page_table, meta.seq_lens, meta.query_start, meta.num_seqs)
+
+
+def default_backend(platform: str) -> str:
+    return "pallas" if platform == "gpu" else "xla"
+
+
+def check_backend(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend {name!r} is not one of {', '.join(BACKENDS)}")
+    return name
+

@@ -17,7 +17,7 @@ Why each number is what it is:
   after replication for tp, average context = prompt_len + (decode_steps + 1) / 2.
   W + K is what a decode step must read, not exactly what this implementation moves: W counts the whole
   embedding table although a step gathers only `batch` rows of it (fewer bytes), while attention and the
-  cache write touch every slot of the bucketed cache, cache_length, not just the context (more bytes).
+  reads every page of the page-table bucket (a power of two), not just the context (more bytes).
 - OPENBLAS: this module sets no OPENBLAS_*/OMP_* variables (nor any other thread setting); numpy's copy
   does not use BLAS and changing them would change how numpy and XLA:CPU share the cores. Set them
   outside the process if wanted; the output then reflects that setting.
@@ -75,9 +75,9 @@ def memory_bandwidth(mib: int = 256, repeats: int = 5) -> float:
 
 def weight_bytes_read(llm) -> int:
     """W: bytes of every parameter shard on every device (a replicated weight counts once per copy)."""
-    import jax
+    from jaxinfer.sharding import device_bytes
 
-    return sum(s.data.nbytes for x in jax.tree.leaves(llm.engine.params) for s in x.addressable_shards)
+    return sum(device_bytes(llm.engine.params, d) for d in llm.layout.mesh.devices.flat)
 
 
 def kv_bytes_read(llm, batch: int, avg_context: float) -> float:
@@ -93,12 +93,14 @@ def bench_batch(llm, batch: int, prompt_len: int, max_tokens: int, seed: int, ba
     """One warm-up generate (compiles every step for these shapes), then the measured one."""
     from jaxinfer.sampling import SamplingParams
 
-    prompts = np.random.default_rng(seed).integers(0, llm.config.vocab_size, (batch, prompt_len)).tolist()
+    rng = np.random.default_rng(seed)
+    warmup, prompts = (rng.integers(0, llm.config.vocab_size, (batch, prompt_len)).tolist() for _ in range(2))
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    llm.generate(warmup, params)  # other tokens than the measured prompts: no prefix-cache hits
+    before = llm.engine.stats.copy()
+    compile_seconds = before.compile_seconds
     llm.generate(prompts, params)
-    compile_seconds = llm.engine.stats.compile_seconds
-    llm.generate(prompts, params)
-    s = llm.engine.stats
+    s = llm.engine.stats - before
     avg_context = prompt_len + (s.decode_steps + 1) / 2
     w, k = weight_bytes_read(llm), kv_bytes_read(llm, batch, avg_context)
     steps_per_s = s.decode_steps / s.decode_seconds if s.decode_seconds else 0.0
@@ -110,7 +112,7 @@ def bench_batch(llm, batch: int, prompt_len: int, max_tokens: int, seed: int, ba
         "decode_tokens_per_second": s.decode_tokens / s.decode_seconds if s.decode_seconds else 0.0,
         "decode_ms_per_token": 1e3 * s.decode_seconds / s.decode_steps if s.decode_steps else 0.0,
         "compile_seconds": compile_seconds + s.compile_seconds,   # the second term is 0 unless shapes changed
-        "cache_length": s.cache_length, "avg_decode_context": avg_context,
+        "avg_decode_context": avg_context,
         "weight_bytes_per_step": w, "kv_bytes_per_step": k,
         "decode_bandwidth_gbps": (w + k) * steps_per_s / GB,
         "mbu": (w + k) * steps_per_s / GB / bandwidth,

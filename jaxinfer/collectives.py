@@ -164,9 +164,11 @@ def collective_report(hlo_text: str) -> Report:
                     _add(acc, visit(callee))
             if op == "while":
                 loop = dict(callees)
-                n = _trip_count(m.group(2), loop["condition"], comps)
-                _add(acc, visit(loop["body"]), n)
-                _add(acc, visit(loop["condition"]), n + 1)
+                body, cond = visit(loop["body"]), visit(loop["condition"])
+                if any(r["count"] for r in (*body.values(), *cond.values())):  # a loop without collectives
+                    n = _trip_count(m.group(2), loop["condition"], comps)     # may have a dynamic bound
+                    _add(acc, body, n)
+                    _add(acc, cond, n + 1)
         return acc
 
     return visit(entry)

@@ -1,7 +1,9 @@
-"""The KV cache behind one interface. This version is contiguous: one slot of `length` positions per row.
+"""The paged KV cache on device: one pool of pages per layer, addressed through page tables.
 
-The forward pass sees only `KVCache.write` (store new keys/values at their positions) and the layer
-slices `k`/`v`; the paged pool that replaces it keeps the same two entry points.
+Layout [layers, kv_heads, pages, page_size, head_dim]: a page of one KV head is one contiguous
+[page_size, head_dim] tile (what a GPU kernel loads), KV heads shard over tp, and the pages axis over
+dp, so each data-parallel replica owns its own slice of the pool and indexes it with local page ids.
+The host side (free list, reference counts, prefix cache) is jaxinfer/page_pool.py.
 """
 
 from __future__ import annotations
@@ -12,35 +14,44 @@ from flax import struct
 
 from jaxinfer.sharding import Axes, Layout
 
-CACHE_AXES: Axes = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+POOL_AXES: Axes = ("layers", "kv_heads", "pages", None, "head_dim")
 
 
 @struct.dataclass
-class KVCache:
-    k: jax.Array  # [layers, batch, length, kv_heads, head_dim]
+class PagedKVCache:
+    k: jax.Array
     v: jax.Array
 
     @classmethod
-    def zeros(cls, layers: int, batch: int, length: int, kv_heads: int, head_dim: int, dtype,
-              layout: Layout | None = None) -> KVCache:
-        shape = (layers, batch, length, kv_heads, head_dim)
-        sharding = layout.sharding(CACHE_AXES) if layout is not None else None
-        make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    def zeros(cls, layers: int, kv_heads: int, pages: int, page_size: int, head_dim: int, dtype,
+              layout: Layout) -> PagedKVCache:
+        shape = (layers, kv_heads, pages, page_size, head_dim)
+        make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=layout.sharding(POOL_AXES))
         return cls(k=make(), v=make())
 
     @property
-    def length(self) -> int:
+    def page_size(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def num_pages(self) -> int:
         return self.k.shape[2]
 
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
 
-def write(layer_cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """Store new[b, t] at layer_cache[b, start[b] + t]. An elementwise select, not a scatter, so it shards
-    over batch and heads with no communication; positions past the cache end are dropped."""
-    T, S = new.shape[1], layer_cache.shape[1]
-    offset = jnp.arange(S)[None, :] - start[:, None]                       # [B, S]
-    taken = jnp.take_along_axis(new, jnp.clip(offset, 0, T - 1)[:, :, None, None], axis=1)
-    inside = ((offset >= 0) & (offset < T))[:, :, None, None]
-    return jnp.where(inside, taken.astype(layer_cache.dtype), layer_cache)
+def page_bytes(layers: int, kv_heads: int, page_size: int, head_dim: int, dtype) -> int:
+    """Bytes of one page of K and V across all layers and (replicated) KV heads."""
+    return 2 * layers * kv_heads * page_size * head_dim * jnp.dtype(dtype).itemsize
+
+
+def pages_from_budget(device: jax.Device, weight_bytes_per_device: int, bytes_per_page_per_device: int,
+                      memory_fraction: float) -> int | None:
+    """Pages that fit in `memory_fraction` of a device's memory after its weights (vLLM's
+    gpu_memory_utilization); None where the device does not report its memory (CPU)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    free = memory_fraction * stats["bytes_limit"] - weight_bytes_per_device
+    return max(int(free // bytes_per_page_per_device), 0)

@@ -16,7 +16,7 @@ from jaxinfer.engine import Completion, Engine
 from jaxinfer.mesh import MeshConfig
 from jaxinfer.models import model_for
 from jaxinfer.sampling import SamplingParams
-from jaxinfer.sharding import Layout, kv_head_repeat, validate
+from jaxinfer.sharding import Layout, device_bytes, kv_head_repeat, validate
 from jaxinfer.tokenizer import Tokenizer, TokenizerError
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -36,7 +36,13 @@ def resolve_dtype(dtype: str, cfg: ModelConfig):
 class LLM:
     """A Hugging Face checkpoint served on a (dp, pp, tp, ep, sp) mesh, e.g. LLM(path, mesh="tp=2")."""
 
-    def __init__(self, model: str | Path, mesh: str | MeshConfig = "", dtype: str = "auto"):
+    def __init__(self, model: str | Path, mesh: str | MeshConfig = "", dtype: str = "auto", *,
+                 page_size: int = 16, num_pages: int | None = None, memory_fraction: float = 0.9,
+                 max_num_seqs: int = 32, max_tokens_per_step: int = 256, prefix_caching: bool = True,
+                 attention_backend: str | None = None):
+        """num_pages: KV pages per dp replica (default: memory_fraction of device memory after the weights,
+        like vLLM's gpu_memory_utilization; on CPU, enough for max_num_seqs full contexts within 2 GiB).
+        attention_backend: "xla" (pure-jnp reference; CPU default) or "pallas" (GPU default)."""
         self.path = Path(model)
         self.config = ModelConfig.from_dir(self.path)
         self.mesh_config = MeshConfig.parse(mesh)
@@ -53,15 +59,17 @@ class LLM:
         arch = model_for(self.config)
         specs = arch.param_specs(self.config, repeat)
         params = load_params(checkpoint, specs, self.layout.sharding, self.dtype, self.config.num_layers)
-        self.engine = Engine(arch, self.config, self.layout, params, self.dtype, self.config.num_kv_heads * repeat)
+        self.engine = Engine(arch, self.config, self.layout, params, self.dtype, self.config.num_kv_heads * repeat,
+                             tokenizer=self.tokenizer, page_size=page_size, num_pages=num_pages,
+                             memory_fraction=memory_fraction, max_num_seqs=max_num_seqs,
+                             max_tokens_per_step=max_tokens_per_step, prefix_caching=prefix_caching,
+                             attention_backend=attention_backend)
         log.info("loaded %s (%s) on mesh %s in %s", self.path, self.config.architecture, self.mesh_config,
                  jnp.dtype(self.dtype).name)
 
     def parameter_bytes_per_device(self) -> int:
         """Bytes of weights each device holds (its shards of every array)."""
-        leaves = jax.tree.leaves(self.engine.params)
-        return max(sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == d)
-                   for d in self.layout.mesh.devices.flat)
+        return max(device_bytes(self.engine.params, d) for d in self.layout.mesh.devices.flat)
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -83,7 +91,7 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
-        return self.engine.generate([self.encode(p) for p in prompts], params, self.tokenizer)
+        return self.engine.generate([self.encode(p) for p in prompts], params)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
@@ -100,4 +108,4 @@ class LLM:
 
     def logits(self, token_id_lists: list[list[int]]) -> list[np.ndarray]:
         """Per sequence, float32 logits [T, V] of one full forward pass: the ground-truth hook for tests."""
-        return self.engine.logits([[int(t) for t in ids] for ids in token_id_lists])
+        return self.engine.score([[int(t) for t in ids] for ids in token_id_lists])

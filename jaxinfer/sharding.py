@@ -27,7 +27,7 @@ RULES: dict[str, str | None] = {
     "mlp": "tp",        # column-parallel gate/up, row-parallel down
     "layers": None,     # pipeline stages will take slices of this axis over pp
     "seq": None,        # ring attention will shard this over sp
-    "cache_seq": None,
+    "pages": "dp",      # each data-parallel replica owns its slice of the KV page pool
     "head_dim": None,
 }
 
@@ -52,6 +52,11 @@ class Layout:
     def axis_size(self, logical: str) -> int:
         mesh_axis = dict(self.rules)[logical]
         return 1 if mesh_axis is None else self.mesh.shape[mesh_axis]
+
+
+def device_bytes(tree, device: jax.Device) -> int:
+    """Bytes of the shards of every array in `tree` that live on `device`."""
+    return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == device)
 
 
 def kv_head_repeat(cfg: ModelConfig, tp: int) -> int:

@@ -11,10 +11,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.attention import attention
+from jaxinfer.attention import StepMetadata, paged_attention, rope_and_store
 from jaxinfer.checkpoint import ParamSpec
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv_cache import KVCache, write
+from jaxinfer.kv_cache import PagedKVCache
 from jaxinfer.sharding import Layout
 
 LAYER = "model.layers.{layer}."
@@ -83,27 +83,17 @@ def rope_frequencies(cfg: ModelConfig) -> jax.Array:
     return inv
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotary embedding in the rotate-half convention of the Hugging Face checkpoints. x: [B, T, N, D]."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq          # [B, T, D/2]
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None].astype(x.dtype)
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None].astype(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
-
-
-def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, cfg: ModelConfig,
-            layout: Layout) -> tuple[jax.Array, KVCache]:
-    """tokens, positions: [B, T] (row b's tokens sit at positions[b, 0] + t). Writes their keys/values
-    into the cache and returns the final hidden states [B, T, E] and the new cache."""
+def forward(params: dict, tokens: jax.Array, cache: PagedKVCache, meta: StepMetadata, cfg: ModelConfig,
+            layout: Layout) -> tuple[jax.Array, PagedKVCache]:
+    """One step over a flat ragged batch. tokens: [R, N] (R data-parallel replicas, N tokens each, at
+    meta.positions). Writes their keys/values into the paged cache; returns final hidden states [R, N, E]."""
     act = ("batch", "seq", "embed")
     x = layout.constrain(params["embed"][tokens], act)
     inv_freq = rope_frequencies(cfg)
-    start = positions[:, 0]
 
-    def layer(x, p_and_cache):
-        p, k_cache, v_cache = p_and_cache
+    def layer(carry, p_and_index):
+        x, cache = carry
+        p, i = p_and_index
         h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
         q = jnp.einsum("bte,ehd->bthd", h, p["wq"])
         k = jnp.einsum("bte,ehd->bthd", h, p["wk"])
@@ -112,18 +102,17 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
             q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
         if cfg.qk_norm:
             q, k = rms_norm(q, p["q_norm"], cfg.rms_norm_eps), rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        k_cache, v_cache = write(k_cache, k, start), write(v_cache, v, start)
-        o = attention(q, k_cache, v_cache, positions)
+        q, cache = rope_and_store(q, k, v, cache, i, meta, inv_freq, layout)
+        o = paged_attention(q, cache, i, meta, layout)
         x = x + layout.constrain(jnp.einsum("bthd,hde->bte", o, p["wo"]), act)   # all-reduce over tp
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
         gated = jax.nn.silu(jnp.einsum("bte,em->btm", h, p["w_gate"])) * jnp.einsum("bte,em->btm", h, p["w_up"])
         x = x + layout.constrain(jnp.einsum("btm,me->bte", gated, p["w_down"]), act)  # all-reduce over tp
-        return x, (k_cache, v_cache)
+        return (x, cache), None
 
     layers = {k: v for k, v in params.items() if k not in ("embed", "final_norm", "lm_head")}
-    x, (k, v) = jax.lax.scan(layer, x, (layers, cache.k, cache.v))
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), KVCache(k=k, v=v)
+    (x, cache), _ = jax.lax.scan(layer, (x, cache), (layers, jnp.arange(cfg.num_layers)))
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache
 
 
 def lm_head(params: dict, h: jax.Array) -> jax.Array:

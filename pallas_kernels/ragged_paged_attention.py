@@ -1,0 +1,190 @@
+"""Ragged paged attention: one step's flat batch of query tokens over a paged KV pool.
+
+A step mixes decode tokens (q_len 1) and prefill chunks (q_len > 1) of many sequences. Sequence s owns
+query tokens [query_start[s], query_start[s + 1]) whose absolute positions end at seq_lens[s] - 1; its
+keys/values (this step's included) sit in pages `page_table[s]` of the pool `[L, KV, pages, P, D]`.
+Query head h reads kv head h // (H // KV). Tokens at or after query_start[num_seqs] are padding: output 0.
+
+Two implementations with one contract:
+- `ragged_paged_attention_reference`: jax.numpy, the engine's CPU path. It walks the page index j once
+  for all tokens, so memory per step is O(N x KV x P x D), never O(N x max_len).
+- `ragged_paged_attention`: a Pallas kernel lowered through Triton. Grid (query block, kv head); a block
+  is up to `block_q` tokens of one sequence times the G = H / KV query heads of its kv head, i.e.
+  block_q * G rows of one matmul tile, with an online softmax over the pages it needs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_LOG2E = math.log2(math.e)
+_MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so a fully masked page gives p = 0, not NaN
+_TILE_ROWS = 16  # rows of the smallest MMA tile: the default block fills it and no more (see _pick_block_q)
+
+
+def _token_map(seq_lens: jax.Array, query_start: jax.Array, num_seqs: jax.Array,
+               n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Sequence, absolute position and validity of each flat query token."""
+    tok = jnp.arange(n, dtype=jnp.int32)
+    seq = jnp.searchsorted(query_start[1:], tok, side="right").astype(jnp.int32)
+    seq = jnp.minimum(seq, seq_lens.shape[0] - 1)
+    start = query_start[seq]
+    pos = seq_lens[seq] - (query_start[seq + 1] - start) + (tok - start)
+    return seq, pos, tok < query_start[num_seqs]
+
+
+def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
+                                     page_table: jax.Array, seq_lens: jax.Array, query_start: jax.Array,
+                                     num_seqs: jax.Array, *, sm_scale: float) -> jax.Array:
+    """Online softmax over page index j for all tokens at once. q: [N, H, D] -> [N, H, D] in q.dtype.
+
+    Each iteration gathers page j of every token's sequence ([N, KV, P, D]); the loop stops at the last
+    page any real token needs, so short steps do not pay for `max_pages`.
+    """
+    n, h, d = q.shape
+    _, kv, num_pages, page, _ = k_pages.shape
+    seq, pos, valid = _token_map(seq_lens, query_start, num_seqs, n)
+    tables = page_table[seq]                                          # [N, max_pages]
+    qg = q.reshape(n, kv, h // kv, d)
+    kv_off = jnp.arange(page, dtype=jnp.int32)
+
+    def body(j, carry):
+        m, denom, acc = carry
+        pid = jnp.clip(tables[:, j], 0, num_pages - 1)                # entries past a sequence are arbitrary
+        k, v = k_pages[layer, :, pid], v_pages[layer, :, pid]         # [N, KV, P, D]
+        s = jnp.einsum("nkgd,nkpd->nkgp", qg, k, preferred_element_type=jnp.float32) * sm_scale
+        visible = (j * page + kv_off)[None, :] <= pos[:, None]        # [N, P]: causal, hence within seq_len
+        s = jnp.where(visible[:, None, None, :], s, _MASK)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.exp(s - m_new[..., None])
+        corr = jnp.exp(m - m_new)
+        pv = jnp.einsum("nkgp,nkpd->nkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return m_new, corr * denom + p.sum(-1), corr[..., None] * acc + pv
+
+    n_iter = jnp.max(jnp.where(valid, pos // page + 1, 0), initial=0)
+    init = (jnp.full(qg.shape[:3], -jnp.inf, jnp.float32), jnp.zeros(qg.shape[:3], jnp.float32),
+            jnp.zeros(qg.shape, jnp.float32))
+    _, denom, acc = lax.fori_loop(0, n_iter, body, init)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return jnp.where(valid[:, None, None, None], out, 0).reshape(n, h, d).astype(q.dtype)
+
+
+def _pick_block_q(group: int) -> int:
+    """Default tokens per block: block_q * G fills one 16-row MMA tile.
+
+    Decode blocks hold one real token, so every row past G is wasted work; with 16 rows the waste is at
+    most one minimal tile, which the K/V page loads (the real cost of decode) hide. Prefill chunks get
+    16 rows too, like vLLM's unified attention; consecutive blocks of a sequence reuse its pages in L2.
+    """
+    return max(1, _TILE_ROWS // group)
+
+
+def _block_map(seq_lens: jax.Array, query_start: jax.Array, num_seqs: jax.Array, block_q: int,
+               num_blocks: int) -> jax.Array:
+    """int32 [num_blocks, 4]: (sequence or -1 past the real blocks, first token, end token, first position)."""
+    num_slots = seq_lens.shape[0]
+    q_len = jnp.where(jnp.arange(num_slots) < num_seqs, query_start[1:] - query_start[:-1], 0)
+    blocks_end = jnp.cumsum((q_len + block_q - 1) // block_q)
+    b = jnp.arange(num_blocks, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(blocks_end, b, side="right"), num_slots - 1).astype(jnp.int32)
+    first = (b - (blocks_end[seq] - (q_len[seq] + block_q - 1) // block_q)) * block_q   # offset in the seq
+    return jnp.stack([jnp.where(b < blocks_end[-1], seq, -1), query_start[seq] + first, query_start[seq + 1],
+                      seq_lens[seq] - q_len[seq] + first], axis=1).astype(jnp.int32)
+
+
+def _kernel(blocks_ref, layer_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, *, block_q: int, group: int,
+            page: int, scale: float):
+    """One (query block, kv head) program: block_q tokens x G heads as rows, online softmax over pages."""
+    b, h = pl.program_id(0), pl.program_id(1)
+    seq = blocks_ref[b, 0]
+
+    @pl.when(seq >= 0)
+    def _():
+        t0, t_end, pos0 = blocks_ref[b, 1], blocks_ref[b, 2], blocks_ref[b, 3]
+        d = q_ref.shape[-1]
+        rows = block_q * group
+        window = (pl.ds(t0, block_q), pl.ds(h * group, group), slice(None))
+        io_mask = jnp.broadcast_to(((t0 + jnp.arange(block_q)) < t_end)[:, None, None], (block_q, group, d))
+        q = plgpu.load(q_ref.at[window], mask=io_mask, other=0).reshape(rows, d)
+        row_pos = pos0 + jnp.arange(rows) // group
+        n_pages = (pos0 + jnp.minimum(t_end - t0, block_q) - 1) // page + 1   # up to the last real token
+        layer = layer_ref[0]
+
+        def body(j, carry):
+            acc, m, denom = carry
+            pid = page_table_ref[seq, j]
+            k, v = k_ref[layer, h, pid], v_ref[layer, h, pid]                # [P, D] each
+            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+            s = jnp.where((j * page + jnp.arange(page))[None, :] <= row_pos[:, None], s, _MASK)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            p = jnp.exp2(s - m_new[:, None])
+            corr = jnp.exp2(m - m_new)
+            pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+            return acc * corr[:, None] + pv, m_new, denom * corr + p.sum(axis=1)
+
+        init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+                jnp.zeros((rows,), jnp.float32))
+        acc, _, denom = lax.fori_loop(0, n_pages, body, init)
+        out = (acc / denom[:, None]).astype(o_ref.dtype).reshape(block_q, group, d)
+        plgpu.store(o_ref.at[window], out, mask=io_mask)
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def _check_shapes(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> None:
+    """Refuse what Triton cannot tile, before lowering: power-of-two tensor dims, dot dims >= 16."""
+    (_, h, d), (_, kv, _, page, kd) = q.shape, k_pages.shape
+    if k_pages.shape != v_pages.shape or kd != d:
+        raise ValueError(f"k_pages {k_pages.shape} / v_pages {v_pages.shape} do not match q {q.shape}")
+    if h % kv:
+        raise ValueError(f"{h} query heads are not a multiple of {kv} kv heads")
+    if not _is_pow2(d) or d < 16:
+        raise ValueError(f"head_dim {d} must be a power of two >= 16 for the Triton kernel (dot K dimension)")
+    if not _is_pow2(page) or page < 16:
+        raise ValueError(f"page size {page} must be a power of two >= 16 for the Triton kernel")
+
+
+def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
+                           page_table: jax.Array, seq_lens: jax.Array, query_start: jax.Array,
+                           num_seqs: jax.Array, *, sm_scale: float, block_q: int | None = None,
+                           interpret: bool = False) -> jax.Array:
+    """Pallas (Triton) ragged paged attention; same contract as `ragged_paged_attention_reference`.
+
+    block_q: tokens per query block (power of two); None picks 16 // G so decode wastes little.
+    """
+    n, h, d = q.shape
+    num_layers, kv, _, page, _ = k_pages.shape
+    _check_shapes(q, k_pages, v_pages)
+    group = h // kv
+    gp = 1 << (group - 1).bit_length()  # Triton tensors need power-of-two dims: pad the head group
+    block_q = _pick_block_q(gp) if block_q is None else block_q
+    if not _is_pow2(block_q):
+        raise ValueError(f"block_q {block_q} must be a power of two")
+    if gp != group:
+        q = jnp.pad(q.reshape(n, kv, group, d), ((0, 0), (0, 0), (0, gp - group), (0, 0))).reshape(n, kv * gp, d)
+    num_blocks = n // block_q + seq_lens.shape[0]  # sum of ceil(q_len / block_q) never exceeds this
+    blocks = _block_map(seq_lens, query_start, num_seqs, block_q, num_blocks)
+    layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1).reshape(1)
+    kernel = pl.pallas_call(
+        lambda *refs: _kernel(*refs, block_q=block_q, group=gp, page=page, scale=sm_scale * _LOG2E),
+        grid=(num_blocks, kv),  # block index fastest: neighbouring programs share a kv head's pages in L2
+        out_shape=jax.ShapeDtypeStruct((n, kv * gp, d), q.dtype),
+        # 4 warps hold a <= 64x128 f32 accumulator comfortably, larger tiles get 8; two stages prefetch
+        # the next page's K/V (page table lookup included) while this page is computed.
+        compiler_params=plgpu.CompilerParams(num_warps=4 if block_q * gp * d <= 64 * 128 else 8, num_stages=2),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )
+    out = kernel(blocks, layer, page_table.astype(jnp.int32), q, k_pages, v_pages)
+    out = out.reshape(n, kv, gp, d)[:, :, :group].reshape(n, h, d)
+    valid = jnp.arange(n) < query_start[num_seqs]  # padding tokens belong to no block: their rows are unset
+    return jnp.where(valid[:, None, None], out, 0)

@@ -1,0 +1,155 @@
+"""Fused rotary embedding + paged KV-cache write: one read of q/k/v, one write of q_rot and the k/v rows.
+
+Runs on one device's local arrays (the engine wraps it in shard_map; heads are local heads).
+
+Shapes: q [N, H, D]; k, v [N, KV, D]; k_pages, v_pages [L, KV, num_pages, P, D]; positions, slots int32 [N];
+inv_freq float32 [D/2]; layer an int32 scalar (may be traced). Token n's k/v go to layer `layer`, flat slot
+slots[n] = page * P + offset; a slot outside [0, num_pages * P) (padding uses num_pages * P) writes nothing.
+Real slots must be distinct within a call (which duplicate wins is unspecified, as in an XLA scatter).
+
+RoPE is Hugging Face "rotate half". Rounding, the same code in reference and kernel: angle =
+f32(position) * inv_freq (f32), c = cos(angle), s = sin(angle), x1, x2 = the halves of x.astype(f32);
+out = concat([x1 * c - x2 * s, x2 * c + x1 * s]) in f32 (a + (-b) == a - b exactly, so this is HF's
+x * cos + rotate_half(x) * sin), cast once (round to nearest even) to x's dtype. Each product is rounded to
+f32 before the sum, except that compilers may contract one product and the sum into an FMA (XLA:CPU fusions
+and Triton do): within 1 ulp in f32. The jitted reference and the interpreted kernel agree bit for bit.
+Rotated k is cast to k's dtype and then to the pool dtype (as "rope, then write" does); v to the pool dtype.
+
+The pools are whole-array refs (no BlockSpec), aliased input -> output: Triton hands the kernel raw global
+pointers, so nothing is staged through shared memory and the pool is never copied; each program writes its
+[block_tokens, D/2] rows with one masked scatter store at pointers (layer, kv_head, slot // P, slot % P, d).
+`memory_space=pl.ANY` on every operand lowers too (Triton has no other place to put them); per-token stores lower but
+issue block_tokens narrow stores instead of one. Index arrays only (no pl.ds next to them): interpret mode
+refuses mixing slices with array indices. The Triton lowering needs power-of-two sizes for every load/store
+(D/2 and block_tokens), and same-rank masks (a [BT] mask against [BT, D/2] lanes is refused).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+Arrays3 = tuple[jax.Array, jax.Array, jax.Array]
+
+
+def _rotate(x1: jax.Array, x2: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The two halves of the rotated vector, in float32."""
+    x1, x2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [N, heads, D], cos/sin [N, 1, D/2] -> rotated x in x's dtype."""
+    half = x.shape[-1] // 2
+    lo, hi = _rotate(x[..., :half], x[..., half:], cos, sin)
+    return jnp.concatenate([lo, hi], axis=-1).astype(x.dtype)
+
+
+def rope_and_write_reference(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                             layer: jax.Array | int, positions: jax.Array, slots: jax.Array,
+                             inv_freq: jax.Array) -> Arrays3:
+    """Pure jax.numpy: RoPE, then one scatter per pool (mode="drop"), so a donated pool is updated in place."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq.astype(jnp.float32)[None, :]   # [N, D/2]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    q_rot, k_rot = _rope(q, cos, sin), _rope(k, cos, sin)
+    num_pages, page_size = k_pages.shape[2], k_pages.shape[3]
+    valid = (slots >= 0) & (slots < num_pages * page_size)
+    page = jnp.where(valid, slots // page_size, num_pages)[:, None]       # [N, 1]; num_pages is dropped
+    offset = (slots % page_size)[:, None]
+    heads = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]               # [1, KV]
+    index = (layer, heads, page, offset)                                   # broadcasts to [N, KV]
+    k_pages = k_pages.at[index].set(k_rot.astype(k_pages.dtype), mode="drop")
+    v_pages = v_pages.at[index].set(v.astype(v_pages.dtype), mode="drop")
+    return q_rot, k_pages, v_pages
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _check(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+           positions: jax.Array, slots: jax.Array, inv_freq: jax.Array, block_tokens: int) -> None:
+    """Refuse, before lowering, what the kernel cannot serve (Triton tensors must have power-of-two sizes)."""
+    if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape or k_pages.ndim != 5 or k_pages.shape != v_pages.shape:
+        raise ValueError(f"want q [N,H,D], k=v [N,KV,D], pools [L,KV,pages,P,D]; got {q.shape}, {k.shape}, "
+                         f"{v.shape}, {k_pages.shape}, {v_pages.shape}")
+    (N, H, D), KV = q.shape, k.shape[1]
+    if k.shape[0] != N or k.shape[2] != D or k_pages.shape[1] != KV or k_pages.shape[4] != D:
+        raise ValueError(f"inconsistent shapes: q {q.shape}, k {k.shape}, pools {k_pages.shape}")
+    if H % KV:
+        raise ValueError(f"query heads {H} not a multiple of kv heads {KV}")
+    if D % 2 or not _is_pow2(D // 2):
+        raise ValueError(f"head_dim {D} unsupported by the Triton kernel: D/2 must be a power of two "
+                         "(use rope_and_write_reference)")
+    if not _is_pow2(block_tokens):
+        raise ValueError(f"block_tokens {block_tokens} must be a power of two")
+    if positions.shape != (N,) or slots.shape != (N,) or inv_freq.shape != (D // 2,):
+        raise ValueError(f"want positions, slots [{N}] and inv_freq [{D // 2}]; got {positions.shape}, "
+                         f"{slots.shape}, {inv_freq.shape}")
+
+
+def _kernel(layer_ref, pos_ref, slot_ref, freq_ref, q_ref, k_ref, v_ref, _k_in, _v_in,
+            q_out, k_pool, v_pool, *, block_tokens: int, group: int) -> None:
+    """Program (i, g): tokens [i*BT, i*BT+BT) of kv head g and its `group` query heads."""
+    bt, g = block_tokens, pl.program_id(1)
+    n_tok, half = q_ref.shape[0], q_ref.shape[2] // 2
+    num_pages, page_size = k_pool.shape[2], k_pool.shape[3]
+    rows = pl.program_id(0) * bt + jnp.arange(bt, dtype=jnp.int32)
+    tok = pl.ds(pl.program_id(0) * bt, bt)
+    in_n = (rows < n_tok)[:, None]                                         # [BT, 1]
+    pos = plgpu.load(pos_ref.at[tok], mask=rows < n_tok, other=0)
+    slot = plgpu.load(slot_ref.at[tok], mask=rows < n_tok, other=num_pages * page_size)
+    angles = pos.astype(jnp.float32)[:, None] * freq_ref[...].astype(jnp.float32)[None, :]    # [BT, D/2]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    lo_cols, hi_cols = pl.ds(0, half), pl.ds(half, half)
+
+    def rotate_head(ref, head):
+        x1 = plgpu.load(ref.at[tok, head, lo_cols], mask=in_n, other=0)
+        x2 = plgpu.load(ref.at[tok, head, hi_cols], mask=in_n, other=0)
+        return _rotate(x1, x2, cos, sin)
+
+    for j in range(group):                                                 # static: the query heads of g
+        head = g * group + j
+        lo, hi = rotate_head(q_ref, head)
+        plgpu.store(q_out.at[tok, head, lo_cols], lo.astype(q_out.dtype), mask=in_n)
+        plgpu.store(q_out.at[tok, head, hi_cols], hi.astype(q_out.dtype), mask=in_n)
+
+    # The pool stays a whole-array ref in global memory: a scatter store at [BT, D/2] pointers
+    # (layer, g, page[t], offset[t], d), masked per token, so padding and tail tokens write nothing.
+    ok = ((slot >= 0) & (slot < num_pages * page_size))[:, None] & in_n
+    page, offset = (slot // page_size)[:, None], (slot % page_size)[:, None]
+    layer = layer_ref[0]
+    cols = jnp.arange(half, dtype=jnp.int32)[None, :]
+    lo, hi = rotate_head(k_ref, g)
+    for part, start in ((lo, 0), (hi, half)):
+        dst = (layer, g, page, offset, cols + start)
+        plgpu.store(k_pool.at[dst], part.astype(k_ref.dtype).astype(k_pool.dtype), mask=ok)
+        v_part = plgpu.load(v_ref.at[tok, g, pl.ds(start, half)], mask=in_n, other=0)
+        plgpu.store(v_pool.at[dst], v_part.astype(v_pool.dtype), mask=ok)
+
+
+@functools.partial(jax.jit, static_argnames=("block_tokens", "interpret"))
+def rope_and_write(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                   layer: jax.Array | int, positions: jax.Array, slots: jax.Array, inv_freq: jax.Array, *,
+                   block_tokens: int = 16, interpret: bool = False) -> Arrays3:
+    """Pallas (Triton lowering) version of rope_and_write_reference; the pools are aliased to the outputs."""
+    _check(q, k, v, k_pages, v_pages, positions, slots, inv_freq, block_tokens)
+    N, H, D = q.shape
+    KV = k.shape[1]
+    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+    kernel = functools.partial(_kernel, block_tokens=block_tokens, group=H // KV)
+    return pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(N, block_tokens), KV),
+        out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
+        input_output_aliases={7: 1, 8: 2},
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="rope_and_write",
+    )(layer_arr, positions.astype(jnp.int32), slots.astype(jnp.int32), inv_freq.astype(jnp.float32), q, k, v,
+      k_pages, v_pages)

@@ -1,0 +1,194 @@
+"""Ragged paged attention: the jnp reference against a dense per-sequence attention, the Pallas kernel
+(interpret mode) against the reference, and the kernel cross-lowered for CUDA on an abstract H100."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.pallas_kernels.ragged_paged_attention import (
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
+
+
+@dataclasses.dataclass
+class Case:
+    """A step: (q_len, seq_len) per real sequence, padded to `tokens` tokens and `slots` sequence slots."""
+
+    seqs: list[tuple[int, int]]
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tokens: int
+    slots: int
+    layers: int = 2
+    layer: int = 1
+    page: int = 16
+    num_pages: int = 48
+    max_pages: int = 20
+    shared: int = 0  # sequence 1 reuses sequence 0's first `shared` pages (a shared prompt prefix)
+    dtype: str = "float32"
+    block_q: int | None = None
+
+
+def make_inputs(c: Case, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    dt = jnp.dtype(c.dtype)
+    pool = (c.layers, c.kv_heads, c.num_pages, c.page, c.head_dim)
+    q = rng.standard_normal((c.tokens, c.heads, c.head_dim))
+    k, v = rng.standard_normal(pool), rng.standard_normal(pool)
+    # Unused table entries are arbitrary: the sentinel one past the pool (padding slots), or page 0.
+    page_table = np.where(rng.random((c.slots, c.max_pages)) < 0.5, c.num_pages, 0).astype(np.int32)
+    free = iter(rng.permutation(c.num_pages))
+    for s, (_, seq_len) in enumerate(c.seqs):
+        n = -(-seq_len // c.page)
+        page_table[s, :n] = [next(free) for _ in range(n)]
+    if c.shared:
+        page_table[1, :c.shared] = page_table[0, :c.shared]
+    q_lens = [ql for ql, _ in c.seqs] + [0] * (c.slots - len(c.seqs))
+    seq_lens = [sl for _, sl in c.seqs] + [0] * (c.slots - len(c.seqs))
+    return dict(q=jnp.asarray(q, dt), k_pages=jnp.asarray(k, dt), v_pages=jnp.asarray(v, dt),
+                layer=jnp.int32(c.layer), page_table=jnp.asarray(page_table),
+                seq_lens=jnp.asarray(seq_lens, jnp.int32),
+                query_start=jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
+                num_seqs=jnp.int32(len(c.seqs)))
+
+
+def dense_attention(inp: dict, sm_scale: float) -> np.ndarray:
+    """Per sequence: gather its pages into contiguous K/V, plain causal softmax at its offset (float64)."""
+    f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # noqa: E731
+    q, k_pages, v_pages = f64(inp["q"]), f64(inp["k_pages"]), f64(inp["v_pages"])
+    k_layer, v_layer = k_pages[int(inp["layer"])], v_pages[int(inp["layer"])]
+    kv, _, page, d = k_layer.shape
+    group = q.shape[1] // kv
+    qs, seq_lens, table = np.asarray(inp["query_start"]), np.asarray(inp["seq_lens"]), np.asarray(inp["page_table"])
+    out = np.zeros_like(q)
+    for s in range(int(inp["num_seqs"])):
+        lo, hi, seq_len = qs[s], qs[s + 1], seq_lens[s]
+        pages = table[s, :-(-seq_len // page)]
+        k = k_layer[:, pages].reshape(kv, -1, d)[:, :seq_len]        # [KV, seq_len, D]
+        v = v_layer[:, pages].reshape(kv, -1, d)[:, :seq_len]
+        k, v = np.repeat(k, group, axis=0), np.repeat(v, group, axis=0)  # [H, seq_len, D]
+        scores = np.einsum("thd,hsd->hts", q[lo:hi], k) * sm_scale
+        q_pos = seq_len - (hi - lo) + np.arange(hi - lo)
+        scores = np.where(np.arange(seq_len)[None, None, :] <= q_pos[None, :, None], scores, -np.inf)
+        w = np.exp(scores - scores.max(-1, keepdims=True))
+        out[lo:hi] = np.einsum("hts,hsd->thd", w / w.sum(-1, keepdims=True), v)
+    return out
+
+
+ARGS = ("q", "k_pages", "v_pages", "layer", "page_table", "seq_lens", "query_start", "num_seqs")
+
+
+def run_reference(inp: dict, sm_scale: float) -> jax.Array:
+    return jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=sm_scale))(*(inp[a] for a in ARGS))
+
+
+def run_kernel(inp: dict, sm_scale: float, block_q: int | None) -> jax.Array:
+    f = functools.partial(ragged_paged_attention, sm_scale=sm_scale, block_q=block_q, interpret=True)
+    return jax.jit(f)(*(inp[a] for a in ARGS))
+
+
+CASES = {
+    # GQA 4: lengths 1, 15, 16, 17; a decode over 300 tokens; a 128-token chunk after 172 tokens of
+    # context and a 20-token chunk starting mid-page; 10 padding tokens, 2 padding sequence slots.
+    "gqa4_mixed": Case([(1, 1), (15, 15), (16, 16), (17, 17), (1, 300), (128, 300), (20, 37)],
+                       heads=8, kv_heads=2, head_dim=32, tokens=208, slots=9, num_pages=64),
+    # Same step through larger blocks (8 tokens x 4 heads = 32 rows).
+    "gqa4_block8": Case([(1, 1), (15, 15), (17, 17), (1, 300), (20, 37)],
+                        heads=8, kv_heads=2, head_dim=32, tokens=64, slots=6, num_pages=64, block_q=8),
+    # MHA: a whole 300-token prefill; a decode sharing its first page; layer 0 of 3.
+    "mha_prefill300_shared": Case([(300, 300), (1, 17), (5, 16)], heads=2, kv_heads=2, head_dim=16,
+                                  tokens=320, slots=4, layers=3, layer=0, num_pages=32, shared=1),
+    # GQA 8: decodes and chunks that share two prefix pages; last layer of 3.
+    "gqa8_shared": Case([(3, 40), (1, 45), (1, 16), (9, 9), (33, 70)], heads=16, kv_heads=2, head_dim=16,
+                        tokens=56, slots=6, layers=3, layer=2, num_pages=24, shared=2),
+    # A head group of 3 (padded to 4 inside the kernel).
+    "gqa3": Case([(1, 33), (7, 18)], heads=6, kv_heads=2, head_dim=16, tokens=16, slots=2, num_pages=8),
+    "gqa4_bf16": Case([(1, 1), (17, 17), (1, 100), (20, 37)], heads=8, kv_heads=2, head_dim=64, tokens=48,
+                      slots=5, num_pages=24, dtype="bfloat16"),
+    "gqa8_bf16": Case([(1, 50), (12, 12), (1, 16)], heads=16, kv_heads=2, head_dim=32, tokens=16, slots=4,
+                      num_pages=12, dtype="bfloat16"),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_reference_and_kernel(name: str):
+    c = CASES[name]
+    inp = make_inputs(c)
+    scale = c.head_dim ** -0.5
+    tol = dict(atol=1e-5, rtol=1e-5) if c.dtype == "float32" else dict(atol=3e-2, rtol=3e-2)
+    dense = dense_attention(inp, scale)
+    ref = run_reference(inp, scale)
+    assert ref.shape == inp["q"].shape and ref.dtype == inp["q"].dtype
+    np.testing.assert_allclose(np.asarray(ref, np.float64), dense, **tol)
+    real = int(inp["query_start"][int(inp["num_seqs"])])
+    assert real < c.tokens and not np.any(np.asarray(ref[real:], np.float32))  # padding tokens -> 0
+    out = run_kernel(inp, scale, c.block_q)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    np.testing.assert_allclose(np.asarray(out, np.float64), np.asarray(ref, np.float64), **tol)
+    assert not np.any(np.asarray(out[real:], np.float32))
+
+
+def test_only_padding_gives_zeros():
+    inp = make_inputs(Case([(4, 20)], heads=4, kv_heads=1, head_dim=16, tokens=16, slots=2, num_pages=4))
+    inp["num_seqs"] = jnp.int32(0)
+    inp["query_start"] = jnp.zeros_like(inp["query_start"])
+    assert not np.any(np.asarray(run_reference(inp, 0.25)))
+    assert not np.any(np.asarray(run_kernel(inp, 0.25, None)))
+
+
+# ---- cross-lowering for CUDA on CPU: proves Triton accepts the kernel's shapes (compiling needs a GPU)
+
+H100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
+
+
+def lower_for_cuda(f, *args) -> str:
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H100)):
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def realistic(dtype, head_dim: int = 128, heads: int = 32, page: int = 16) -> list[jax.ShapeDtypeStruct]:
+    """N=64 tokens, 8 kv heads, 2 layers x 64 pages, 8 sequence slots x 16 pages."""
+    sds = jax.ShapeDtypeStruct
+    pool = sds((2, 8, 64, page, head_dim), dtype)
+    return [sds((64, heads, head_dim), dtype), pool, pool, sds((), jnp.int32), sds((8, 16), jnp.int32),
+            sds((8,), jnp.int32), sds((9,), jnp.int32), sds((), jnp.int32)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("heads,block_q", [(32, None), (32, 16), (8, None), (64, None), (56, None)])
+def test_lowers_for_cuda(dtype, heads: int, block_q: int | None):
+    """GQA 4 (default and 16-token blocks), 1, 8 and 7 (head group padded to 8)."""
+    text = lower_for_cuda(functools.partial(ragged_paged_attention, sm_scale=0.088, block_q=block_q),
+                          *realistic(dtype, heads=heads))
+    assert "__gpu$xla.gpu.triton" in text
+
+
+def test_lowers_for_cuda_in_layer_scan():
+    """As the engine calls it: inside jit, under a lax.scan over layers (traced layer index)."""
+    q, k_pages, v_pages, _, *meta = realistic(jnp.bfloat16)
+
+    def step(q, k_pages, v_pages, *meta):
+        def layer_fn(x, layer):
+            return ragged_paged_attention(x, k_pages, v_pages, layer, *meta, sm_scale=0.088), None
+        return jax.lax.scan(layer_fn, q, jnp.arange(k_pages.shape[0], dtype=jnp.int32))[0]
+
+    assert "__gpu$xla.gpu.triton" in lower_for_cuda(step, q, k_pages, v_pages, *meta)
+
+
+@pytest.mark.parametrize("head_dim,page,match", [(48, 16, "head_dim 48"), (8, 16, "head_dim 8"),
+                                                  (128, 24, "page size 24")])
+def test_refuses_shapes_triton_cannot_tile(head_dim: int, page: int, match: str):
+    """Caught by the wrapper with a clear message, before Pallas lowers anything."""
+    args = realistic(jnp.bfloat16, head_dim, page=page)
+    with pytest.raises(ValueError, match=match):
+        lower_for_cuda(functools.partial(ragged_paged_attention, sm_scale=0.1), *args)
+    with pytest.raises(ValueError, match="block_q 3"):
+        lower_for_cuda(functools.partial(ragged_paged_attention, sm_scale=0.1, block_q=3), *realistic(jnp.bfloat16))
