@@ -1,0 +1,166 @@
+"""The paged engine: continuous batching, chunked prefill, preemption, prefix caching, abort, streaming."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine import RequestError
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "hf-tiny"
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def workload(seed: int, n: int = 16) -> list[tuple[list[int], SamplingParams]]:
+    """Mixed prompt lengths (1 to ~100 tokens: decode-only to several prefill chunks) and output lengths."""
+    rng = np.random.default_rng(seed)
+    lengths = [1, 5, 15, 16, 17, 33, 48, 64, 90, 100, 3, 9, 20, 31, 47, 70][:n]
+    return [(rng.integers(4, 384, size=length).tolist(), SamplingParams(max_tokens=int(rng.integers(2, 12)), **GREEDY))
+            for length in lengths]
+
+
+def serve(llm: LLM, requests, arrive_every: int = 2) -> dict[str, list[int]]:
+    """Requests join while others run: one new request every `arrive_every` steps."""
+    engine, pending, handles = llm.engine, list(enumerate(requests)), {}
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and step % arrive_every == 0:
+            i, (prompt, params) = pending.pop(0)
+            handles[i] = engine.add_request(prompt, params, request_id=f"r{i}")
+        engine.step()
+        step += 1
+    return {i: r.output for i, r in handles.items()}
+
+
+def alone(llm: LLM, requests) -> dict[int, list[int]]:
+    return {i: llm.generate([p], params)[0].token_ids for i, (p, params) in enumerate(requests)}
+
+
+@pytest.fixture(scope="module")
+def single():
+    return LLM(FIXTURES / "llama", dtype="float32", max_tokens_per_step=32)
+
+
+@pytest.fixture(scope="module")
+def sharded():
+    return LLM(FIXTURES / "llama", mesh="dp=2,tp=2", dtype="float32", max_tokens_per_step=32)
+
+
+def free_pages(llm: LLM) -> list[int]:
+    return [r.pool.available for r in llm.engine.replicas]
+
+
+@pytest.mark.parametrize("which", ["single", "sharded"])
+def test_concurrent_requests_equal_each_alone(which, request):
+    llm = request.getfixturevalue(which)
+    requests = workload(0)
+    together = serve(llm, requests)
+    assert together == alone(llm, requests)
+    assert free_pages(llm) == [llm.engine.pages_per_replica] * len(llm.engine.replicas)
+    if which == "sharded":  # both replicas admitted prompts with full pages (each looked up its own cache)
+        assert all(r.pool.queries > 0 for r in llm.engine.replicas)
+
+
+def test_replicas_share_the_requests(sharded):
+    seen = set()
+    for i in range(4):
+        r = sharded.engine.add_request([5 + i] * 3, SamplingParams(max_tokens=2, **GREEDY))
+        seen.add(id(sharded.engine.requests[r.id][1]))
+    while sharded.engine.has_unfinished():
+        sharded.engine.step()
+    assert len(seen) == 2
+
+
+def test_preemption_recomputes_and_loses_nothing(single):
+    requests = workload(1, n=10)
+    expected = alone(single, requests)
+    tiny = LLM(FIXTURES / "llama", dtype="float32", max_tokens_per_step=32, num_pages=12)   # 192 tokens of KV
+    got = serve(tiny, requests, arrive_every=1)
+    assert tiny.engine.stats.preemptions > 0
+    assert got == expected
+    assert free_pages(tiny) == [12]
+
+
+def test_prefix_cache_reuses_three_pages(single):
+    rng = np.random.default_rng(7)
+    prefix = rng.integers(4, 384, size=48).tolist()
+    first, second = prefix + [11, 12, 13], prefix + [21, 22]
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    uncached = LLM(FIXTURES / "llama", dtype="float32", prefix_caching=False)
+    pool = single.engine.replicas[0].pool
+    single.generate([first], params)
+    hits = pool.hits
+    out = single.generate([second], params)[0]
+    assert pool.hits - hits == 3                               # 48 tokens = three full pages of 16
+    assert out.token_ids == uncached.generate([second], params)[0].token_ids
+    assert uncached.engine.replicas[0].pool.hits == 0
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token(single):
+    prompt = np.random.default_rng(8).integers(4, 384, size=32).tolist()   # exactly two pages
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    a = single.generate([prompt], params)[0].token_ids
+    pool, hits = single.engine.replicas[0].pool, single.engine.replicas[0].pool.hits
+    b = single.generate([prompt], params)[0].token_ids
+    assert a == b and pool.hits - hits == 1                     # the page holding the last token is recomputed
+
+
+def test_abort_returns_pages_at_once(single):
+    engine = single.engine
+    total = engine.pages_per_replica
+    r = engine.add_request(list(range(4, 60)), SamplingParams(max_tokens=100, **GREEDY))
+    other = engine.add_request(list(range(100, 120)), SamplingParams(max_tokens=3, **GREEDY))
+    engine.step()
+    engine.step()
+    assert free_pages(single)[0] < total and r.pages
+    assert engine.abort(r.id) and r.finish_reason == "abort"
+    assert not engine.abort(r.id)                               # unknown now
+    while engine.has_unfinished():
+        engine.step()
+    assert other.finish_reason == "length" and len(other.output) == 3
+    assert free_pages(single)[0] == total
+
+
+def test_no_recompilation_after_warm_up(single):
+    serve(single, workload(2))
+    before = single.engine.compilations
+    serve(single, workload(3))                                  # same shape of workload, other tokens
+    assert single.engine.compilations == before
+
+
+def test_refused_requests_leave_the_others_running(single):
+    engine = single.engine
+    ok = engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, **GREEDY))
+    with pytest.raises(RequestError, match="context limit of 512"):
+        engine.add_request(list(np.full(600, 9)), SamplingParams(max_tokens=4))
+    small = LLM(FIXTURES / "llama", dtype="float32", num_pages=4)   # 64 tokens of KV
+    with pytest.raises(RequestError, match="KV page pool of 64 tokens"):
+        small.engine.add_request(list(np.full(100, 9)), SamplingParams(max_tokens=4))
+    while engine.has_unfinished():
+        engine.step()
+    assert ok.finish_reason == "length" and len(ok.output) == 4
+
+
+def test_streaming_yields_tokens_as_produced(single):
+    prompt, params = [1, 88, 86, 265], SamplingParams(max_tokens=7, **GREEDY)
+    streamed = list(single.engine.stream(prompt, params))
+    assert [t for t, _ in streamed] == single.generate([prompt], params)[0].token_ids
+    seen = []
+    r = single.engine.add_request(prompt, params, on_token=lambda req, tok, delta: seen.append(tok))
+    while single.engine.has_unfinished():
+        single.engine.step()
+    assert seen == r.output
+
+
+def test_pallas_backend_in_interpret_mode_matches_xla():
+    """The Pallas kernels (interpret mode on CPU) inside the real engine give the same tokens and logits.
+    qwen3: head_dim 16, the smallest the Triton kernel takes."""
+    kw = dict(mesh="tp=2", dtype="float32", max_tokens_per_step=32)
+    pallas = LLM(FIXTURES / "qwen3", attention_backend="pallas", **kw)
+    xla = LLM(FIXTURES / "qwen3", attention_backend="xla", **kw)
+    requests = workload(4, n=3)
+    assert alone(pallas, requests) == alone(xla, requests)
+    g = np.load(FIXTURES / "qwen3" / "golden.npz")
+    ids = list(map(int, g["input_ids"][1, : g["lengths"][1]]))
+    np.testing.assert_allclose(pallas.logits([ids])[0], g["logits"][1, : len(ids)], atol=1e-4, rtol=0)
