@@ -4,7 +4,7 @@ Each step the replicas' schedulers pick their tokens (decodes and prefill chunks
 packs them into one flat ragged batch per replica, padded to bucket shapes so that a steady workload
 compiles nothing new:
 - tokens per replica: a power of two, at most the step's token budget;
-- sequences per replica: min(tokens bucket, max_num_seqs rounded up to a power of two);
+- sequences per replica: a power of two, at most max_num_seqs rounded up;
 - pages per sequence in the page table: a power of two.
 The device step runs the model over the batch, writes K/V into the donated page pool, and samples one
 token per sequence; the host keeps only the tokens of sequences whose prompt is complete.
@@ -237,7 +237,7 @@ class Engine:
         """One flat ragged batch per replica, padded to shared bucket shapes."""
         P = self.replicas[0].pool.page_size
         N = bucket(max(sum(n for _, n in plan) for plan in plans))
-        S = min(N, bucket(self.max_seqs))
+        S = bucket(max(map(len, plans)))
         max_pages = bucket(max((len(r.pages) for plan in plans for r, _ in plan), default=1))
         R = len(plans)
         sentinel = self.pages_per_replica * P

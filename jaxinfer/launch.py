@@ -33,6 +33,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--attention-backend", default=None, choices=["xla", "pallas"],
+                   help="xla: pure-jnp reference (CPU default); pallas: the Pallas GPU kernels (GPU default)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--num-pages", type=int, default=None, help="KV pages per dp replica (default: from memory)")
+    p.add_argument("--memory-fraction", type=float, default=0.9,
+                   help="fraction of device memory for weights + KV pages (like vLLM's gpu_memory_utilization)")
     p.add_argument("--report-collectives", action="store_true",
                    help="print the collectives of the compiled prefill and decode steps")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -60,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     random_weights = args.model is None
     path = default_model() if random_weights else args.model
     try:
-        llm = LLM(path, mesh=mesh, dtype=args.dtype)
+        llm = LLM(path, mesh=mesh, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
+                  memory_fraction=args.memory_fraction, attention_backend=args.attention_backend)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
                                 ignore_eos=args.ignore_eos)
@@ -94,6 +101,9 @@ def summary(llm, out, random_weights: bool) -> dict:
         "platform": llm.layout.mesh.devices.flat[0].platform,
         "dtype": llm.engine.dtype.__name__ if hasattr(llm.engine.dtype, "__name__") else str(llm.engine.dtype),
         "parameter_bytes_per_device": llm.parameter_bytes_per_device(),
+        "attention_backend": llm.engine.backend,
+        "kv_pages_per_replica": llm.engine.pages_per_replica,
+        "page_size": llm.engine.replicas[0].pool.page_size,
         "prompt_tokens": len(out.prompt_token_ids),
         "output_token_ids": out.token_ids,
         "output_text": out.text,
@@ -112,6 +122,8 @@ def readable(r: dict) -> str:
         f"model   {r['model']} [{r['architecture']}, {r['dtype']}]",
         f"mesh    {mesh} on {r['devices']} {r['platform']} device(s); "
         f"{r['parameter_bytes_per_device'] / 2**20:.1f} MiB of weights per device",
+        f"cache   {r['kv_pages_per_replica']} pages of {r['page_size']} tokens per replica; "
+        f"attention backend {r['attention_backend']}",
         f"prompt  {r['prompt_tokens']} tokens",
         f"output  {r['output_text']!r}",
         f"        {len(r['output_token_ids'])} tokens, finish_reason={r['finish_reason']}",
