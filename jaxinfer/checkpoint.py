@@ -8,6 +8,7 @@ numpy its bfloat16), so no host ever holds a full copy of the model. Only safete
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import struct
@@ -32,7 +33,8 @@ class ParamSpec:
 
     `view` splits the HF tensor's dims into groups (e.g. q_proj [H*D, E] is ((H, D), (E,))); our array is
     that view transposed by `perm`, with axis repeat[0] repeated repeat[1] times (KV-head replication).
-    A leading "layers" axis stacks the tensors named by `hf` with {layer} = 0..L-1.
+    Leading "layers" and "experts" axes stack the tensors named by `hf` with {layer} and {expert};
+    `layer_ids` says which checkpoint layers a stack holds (e.g. only the MoE layers), default all.
     """
 
     shape: tuple[int, ...]
@@ -41,14 +43,18 @@ class ParamSpec:
     view: tuple[tuple[int, ...], ...] | None = None
     perm: tuple[int, ...] | None = None
     repeat: tuple[int, int] = (0, 1)
+    layer_ids: tuple[int, ...] | None = None
 
     @property
-    def stacked(self) -> bool:
-        return self.axes[0] == "layers"
+    def stack_depth(self) -> int:
+        """How many leading axes stack separate checkpoint tensors."""
+        if self.axes[:1] != ("layers",):
+            return 0
+        return 2 if self.axes[1:2] == ("experts",) else 1
 
     @property
     def layer_shape(self) -> tuple[int, ...]:
-        return self.shape[1:] if self.stacked else self.shape
+        return self.shape[self.stack_depth:]
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:
@@ -63,8 +69,12 @@ class ParamSpec:
     def hf_shape(self) -> tuple[int, ...]:
         return tuple(math.prod(g) for g in self.groups)
 
-    def hf_names(self, num_layers: int) -> list[str]:
-        return [self.hf.format(layer=i) for i in range(num_layers)] if self.stacked else [self.hf]
+    def hf_name(self, position: int = 0, expert: int = 0) -> str:
+        layer = self.layer_ids[position] if self.layer_ids is not None else position
+        return self.hf.format(layer=layer, expert=expert)
+
+    def hf_names(self) -> list[str]:
+        return [self.hf_name(*ids) for ids in itertools.product(*map(range, self.shape[: self.stack_depth]))]
 
 
 class SafetensorsFile:
@@ -139,10 +149,10 @@ class Checkpoint:
                 if t not in self.files[n].tensors:
                     raise CheckpointError(f"{index} places {t!r} in {n}, but that file does not hold it")
 
-    def check(self, specs: dict[str, ParamSpec], num_layers: int) -> None:
+    def check(self, specs: dict[str, ParamSpec]) -> None:
         """Every tensor present with the shape the config implies, before anything is read or compiled."""
         for key, spec in specs.items():
-            for name in spec.hf_names(num_layers):
+            for name in spec.hf_names():
                 if name not in self.where:
                     raise CheckpointError(f"checkpoint {self.path} lacks tensor {name!r} (needed for {key})")
                 found = self.where[name].shape(name)
@@ -150,13 +160,14 @@ class Checkpoint:
                     raise CheckpointError(f"tensor {name!r} has shape {list(found)} but config.json implies "
                                           f"{list(spec.hf_shape)}: config and weights do not match")
 
-    def read(self, spec: ParamSpec, index: tuple[slice, ...], num_layers: int) -> np.ndarray:
+    def read(self, spec: ParamSpec, index: tuple[slice, ...]) -> np.ndarray:
         """Our-layout slice `index` of a parameter, reading only the rows it needs from each tensor."""
-        if spec.stacked:
-            layers = range(*index[0].indices(spec.shape[0]))
-            names = [spec.hf.format(layer=i) for i in layers]
-            return np.stack([self._read_one(spec, n, index[1:]) for n in names])
-        return self._read_one(spec, spec.hf, index)
+        depth = spec.stack_depth
+        if depth == 0:
+            return self._read_one(spec, spec.hf, index)
+        ranges = [range(*index[i].indices(spec.shape[i])) for i in range(depth)]
+        parts = [self._read_one(spec, spec.hf_name(*ids), index[depth:]) for ids in itertools.product(*ranges)]
+        return np.stack(parts).reshape(*map(len, ranges), *parts[0].shape)
 
     def _read_one(self, spec: ParamSpec, name: str, index: tuple[slice, ...]) -> np.ndarray:
         shape = spec.layer_shape
@@ -188,16 +199,15 @@ class Checkpoint:
         return data
 
 
-def load_params(ckpt: Checkpoint, specs: dict[str, ParamSpec], sharding_of: Callable, dtype,
-                num_layers: int) -> dict[str, jax.Array]:
+def load_params(ckpt: Checkpoint, specs: dict[str, ParamSpec], sharding_of: Callable, dtype) -> dict[str, jax.Array]:
     """Sharded parameters; jax asks for each device's slice and only that slice is read and cast."""
-    ckpt.check(specs, num_layers)
+    ckpt.check(specs)
     params = {}
     for i, (key, spec) in enumerate(specs.items()):
         _progress(i, len(specs), key)
         params[key] = jax.make_array_from_callback(
             spec.shape, sharding_of(spec.axes),
-            lambda idx, spec=spec: ckpt.read(spec, idx, num_layers).astype(dtype))
+            lambda idx, spec=spec: ckpt.read(spec, idx).astype(dtype))
     _progress(len(specs), len(specs), "done")
     return params
 

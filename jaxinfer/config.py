@@ -13,6 +13,8 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": {},
     "Qwen2ForCausalLM": {"qkv_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
+    "MixtralForCausalLM": {"moe": True, "norm_topk_prob": True},
+    "Qwen3MoeForCausalLM": {"qk_norm": True, "moe": True},
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -42,6 +44,21 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     checkpoint_dtype: str = "float32"
+    num_experts: int = 0                   # 0: a dense model
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False           # renormalise the top-k routing weights (always, in Mixtral)
+    dense_layers: tuple[int, ...] = ()     # layers of an MoE model that have a dense MLP instead
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        if not self.num_experts:
+            return ()
+        return tuple(i for i in range(self.num_layers) if i not in self.dense_layers)
+
+    @property
+    def mlp_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if i not in self.moe_layers)
 
     @property
     def rope(self) -> dict[str, Any]:
@@ -55,9 +72,11 @@ class ModelConfig:
         """Parameter count as stored on disk (embedding and LM head counted twice unless tied)."""
         e, m, h, kv, d = self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim
         attn = e * d * (h + 2 * kv) + h * d * e + (d * (h + 2 * kv) if self.qkv_bias else 0)
-        layer = attn + 3 * e * m + 2 * e + (2 * d if self.qk_norm else 0)
+        layer = attn + 2 * e + (2 * d if self.qk_norm else 0)
+        experts = self.num_experts * 3 * e * self.moe_intermediate_size + e * self.num_experts
         head = 0 if self.tie_word_embeddings else self.vocab_size * e
-        return self.num_layers * layer + self.vocab_size * e + head + e
+        return (self.num_layers * layer + len(self.mlp_layers) * 3 * e * m + len(self.moe_layers) * experts
+                + self.vocab_size * e + head + e)
 
     @classmethod
     def from_dict(cls, c: dict[str, Any]) -> ModelConfig:
@@ -101,6 +120,7 @@ class ModelConfig:
                 eos_token_ids=eos,
                 pad_token_id=c.get("pad_token_id"),
                 checkpoint_dtype=c.get("dtype") or c.get("torch_dtype") or "float32",
+                **(_moe(c, extra) if extra.get("moe") else {}),
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks the key {e.args[0]!r} that {arch} needs") from None
@@ -121,6 +141,18 @@ class ModelConfig:
             merged = tuple(dict.fromkeys([*cfg.eos_token_ids, *eos]))
             cfg = dataclasses.replace(cfg, eos_token_ids=merged)
         return cfg
+
+
+def _moe(c: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """Mixtral (num_local_experts, every layer sparse) and Qwen3-MoE (num_experts, mlp_only_layers,
+    decoder_sparse_step) in one shape."""
+    experts = c.get("num_local_experts") or c.get("num_experts")
+    step = c.get("decoder_sparse_step") or 1
+    dense = {i for i in range(c["num_hidden_layers"]) if (i + 1) % step or i in (c.get("mlp_only_layers") or [])}
+    return {"num_experts": experts, "experts_per_token": c["num_experts_per_tok"],
+            "moe_intermediate_size": c.get("moe_intermediate_size") or c["intermediate_size"],
+            "norm_topk_prob": extra.get("norm_topk_prob", c.get("norm_topk_prob", False)),
+            "dense_layers": tuple(sorted(dense))}
 
 
 def _read_json(path: Path) -> dict[str, Any]:

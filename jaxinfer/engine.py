@@ -67,6 +67,30 @@ class EngineStats:
                                                     strict=True)))
 
 
+class ExpertLoad:
+    """Tokens routed to each expert, per MoE layer: in the last step and since the engine started."""
+
+    def __init__(self):
+        self.last: np.ndarray | None = None     # int [moe layers, experts]
+        self.total: np.ndarray | None = None
+
+    def record(self, counts: np.ndarray) -> None:
+        self.last = counts
+        self.total = counts if self.total is None else self.total + counts
+
+    @staticmethod
+    def imbalance(counts: np.ndarray) -> np.ndarray:
+        """max / mean tokens per expert, per layer (1.0 is perfect balance)."""
+        mean = counts.mean(axis=-1)
+        return np.where(mean > 0, counts.max(axis=-1) / np.where(mean > 0, mean, 1), 0.0)
+
+    def report(self) -> dict:
+        if self.total is None:
+            return {}
+        return {"last_step": {"tokens_per_expert": self.last.tolist(), "imbalance": self.imbalance(self.last).tolist()},
+                "total": {"tokens_per_expert": self.total.tolist(), "imbalance": self.imbalance(self.total).tolist()}}
+
+
 @struct.dataclass
 class StepBatch:
     tokens: jax.Array           # int32 [R, N]
@@ -96,7 +120,7 @@ class Engine:
             raise ValueError(f"page_size={page_size} must be a power of two")
         self.max_tokens = bucket(max_tokens_per_step, 16)
         self.max_seqs = max_num_seqs
-        dp, tp = layout.mesh.shape["dp"], layout.mesh.shape["tp"]
+        dp, tp = layout.axis_size("batch"), layout.mesh.shape["tp"]   # replicas: dp x ep
         per_page = page_bytes(cfg.num_layers, kv_heads // tp, page_size, cfg.head_dim, dtype)
         if num_pages is None:
             num_pages = pages_from_budget(device, device_bytes(params, device), per_page, memory_fraction)
@@ -111,6 +135,7 @@ class Engine:
                          for _ in range(dp)]
         self.requests: dict[str, tuple[Request, Replica]] = {}
         self.stats = EngineStats()
+        self.expert_load = ExpertLoad()
         self.executables: dict[tuple, jax.stages.Compiled] = {}
         self.last: dict[str, jax.stages.Compiled] = {}
         self._jitted = {"step": jax.jit(self._step, donate_argnums=(1,)),
@@ -122,16 +147,16 @@ class Engine:
         return self.model.forward(params, batch.tokens, cache, batch.meta, self.cfg, self.layout)
 
     def _step(self, params, cache, batch: StepBatch):
-        h, cache = self._hidden(params, cache, batch)
+        h, cache, aux = self._hidden(params, cache, batch)
         last = jnp.take_along_axis(h, batch.logits_index[..., None], axis=1)        # per-row gather
         logits = self.model.lm_head(params, last)                                    # [R, S, V]
         R, S, V = logits.shape
         logits = self.layout.constrain(logits, ("batch", None, "vocab"))  # pinned: gather logits, not weights
         logits = self.layout.constrain(logits, ("batch", None, None)).reshape(R * S, V)
-        return sample(logits, batch.sampling, batch.sample_positions).reshape(R, S), cache
+        return (sample(logits, batch.sampling, batch.sample_positions).reshape(R, S), aux), cache
 
     def _score(self, params, cache, batch: StepBatch):
-        h, cache = self._hidden(params, cache, batch)
+        h, cache, _ = self._hidden(params, cache, batch)
         logits = self.layout.constrain(self.model.lm_head(params, h), ("batch", "seq", "vocab"))
         return self.layout.constrain(logits, ("batch", "seq", None)), cache
 
@@ -149,7 +174,7 @@ class Engine:
             self.stats.compile_seconds += time.perf_counter() - t0
         self.last[phase or step] = self.executables[key]
         out, self.cache = self.executables[key](self.params, self.cache, batch)
-        return np.asarray(out)
+        return jax.tree.map(np.asarray, out)
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
@@ -208,7 +233,9 @@ class Engine:
         prefill = any(n > 1 or not r.output for plan in plans for r, n in plan)
         t0 = time.perf_counter()
         compile_before = self.stats.compile_seconds
-        sampled = self.run("step", self._pack(plans), phase="prefill" if prefill else "decode")
+        sampled, aux = self.run("step", self._pack(plans), phase="prefill" if prefill else "decode")
+        if "expert_counts" in aux:
+            self.expert_load.record(aux["expert_counts"].sum(axis=1))
         seconds = time.perf_counter() - t0 - (self.stats.compile_seconds - compile_before)
         finished, new_tokens = [], 0
         for replica, plan, row in zip(self.replicas, plans, sampled, strict=True):

@@ -58,7 +58,7 @@ class LLM:
         repeat = kv_head_repeat(self.config, self.mesh_config.tp)
         arch = model_for(self.config)
         specs = arch.param_specs(self.config, repeat)
-        params = load_params(checkpoint, specs, self.layout.sharding, self.dtype, self.config.num_layers)
+        params = load_params(checkpoint, specs, self.layout.sharding, self.dtype)
         self.engine = Engine(arch, self.config, self.layout, params, self.dtype, self.config.num_kv_heads * repeat,
                              tokenizer=self.tokenizer, page_size=page_size, num_pages=num_pages,
                              memory_fraction=memory_fraction, max_num_seqs=max_num_seqs,

@@ -44,7 +44,7 @@ def write_random_checkpoint(path: str | Path, config: dict, seed: int = 0) -> Pa
     rng = np.random.default_rng(seed)
     tensors = {}
     for spec in model_for(cfg).param_specs(cfg).values():
-        for name in spec.hf_names(cfg.num_layers):
+        for name in spec.hf_names():
             if name in tensors:
                 continue  # tied embeddings
             if name.endswith("norm.weight"):

@@ -9,6 +9,7 @@ after the MLP; the vocabulary is split for the embedding and the LM head.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -18,8 +19,8 @@ from jaxinfer.mesh import MeshConfig, MeshError
 
 Axes = tuple[str | None, ...]
 
-RULES: dict[str, str | None] = {
-    "batch": "dp",      # data parallel: each replica serves its own rows
+RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": ("dp", "ep"),  # each dp x ep replica serves its own requests (ep: attention data-parallel)
     "vocab": "tp",      # vocabulary-parallel embedding and LM head
     "embed": None,      # the residual stream is replicated within a tp group
     "heads": "tp",      # column-parallel Q, row-parallel O
@@ -27,7 +28,8 @@ RULES: dict[str, str | None] = {
     "mlp": "tp",        # column-parallel gate/up, row-parallel down
     "layers": None,     # pipeline stages will take slices of this axis over pp
     "seq": None,        # ring attention will shard this over sp
-    "pages": "dp",      # each data-parallel replica owns its slice of the KV page pool
+    "pages": ("dp", "ep"),  # each replica owns its slice of the KV page pool
+    "experts": "ep",    # expert parallel: experts split over ep, tokens exchanged by all-to-all
     "head_dim": None,
 }
 
@@ -37,7 +39,7 @@ class Layout:
     """A mesh plus the rules table: turns logical axes into shardings."""
 
     mesh: jax.sharding.Mesh
-    rules: tuple[tuple[str, str | None], ...] = tuple(RULES.items())
+    rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = tuple(RULES.items())
 
     def spec(self, axes: Axes) -> PartitionSpec:
         rules = dict(self.rules)
@@ -50,8 +52,10 @@ class Layout:
         return jax.lax.with_sharding_constraint(x, self.sharding(axes))
 
     def axis_size(self, logical: str) -> int:
-        mesh_axis = dict(self.rules)[logical]
-        return 1 if mesh_axis is None else self.mesh.shape[mesh_axis]
+        """How many shards a logical axis is split into."""
+        mesh_axes = dict(self.rules)[logical] or ()
+        mesh_axes = (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes
+        return math.prod(self.mesh.shape[a] for a in mesh_axes)
 
 
 def device_bytes(tree, device: jax.Device) -> int:
@@ -73,13 +77,21 @@ def validate(cfg: ModelConfig, mesh: MeshConfig) -> None:
     if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
         raise MeshError(f"tp={tp} and the model's {cfg.num_kv_heads} KV heads must divide one another "
                         f"(KV heads are split when tp divides them and replicated when they divide tp)")
-    if cfg.intermediate_size % tp:
+    if cfg.mlp_layers and cfg.intermediate_size % tp:
         raise MeshError(f"tp={tp} does not divide the MLP width {cfg.intermediate_size}")
     if cfg.vocab_size % tp:
         raise MeshError(f"tp={tp} does not divide the vocabulary of {cfg.vocab_size} tokens "
                         f"(vocabulary-parallel LM head); use a tp that divides {cfg.vocab_size}")
-    for axis, what in (("pp", "pipeline parallel"), ("ep", "expert parallel (MoE models only)"),
-                       ("sp", "sequence parallel (ring attention)")):
+    if cfg.num_experts:
+        if cfg.num_experts % mesh.ep:
+            raise MeshError(f"ep={mesh.ep} does not divide the model's {cfg.num_experts} experts; "
+                            f"use an ep that divides {cfg.num_experts}")
+        if cfg.moe_intermediate_size % tp:
+            raise MeshError(f"tp={tp} does not divide the expert MLP width {cfg.moe_intermediate_size}")
+    elif mesh.ep > 1:
+        raise MeshError(f"ep={mesh.ep}: expert parallel needs a mixture-of-experts model, and "
+                        f"{cfg.architecture} is dense; use ep=1 (and dp for more replicas)")
+    for axis, what in (("pp", "pipeline parallel"), ("sp", "sequence parallel (ring attention)")):
         if getattr(mesh, axis) > 1:
             raise MeshError(f"{axis}={getattr(mesh, axis)}: {what} is not available for {cfg.architecture} "
                             f"in this version of jaxinfer; use {axis}=1 with dp and tp")

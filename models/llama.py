@@ -15,6 +15,7 @@ from jaxinfer.attention import StepMetadata, paged_attention, rope_and_store
 from jaxinfer.checkpoint import ParamSpec
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import PagedKVCache
+from jaxinfer.moe import moe
 from jaxinfer.sharding import Layout
 
 LAYER = "model.layers.{layer}."
@@ -42,10 +43,34 @@ def param_specs(cfg: ModelConfig, kv_repeat: int = 1) -> dict[str, ParamSpec]:
                         view=((KV, D), (E,)), perm=(2, 0, 1), repeat=(1, kv_repeat)),
         "wo": ParamSpec((L, H, D, E), ("layers", "heads", "head_dim", "embed"), attn + "o_proj.weight",
                         view=((E,), (H, D)), perm=(1, 2, 0)),
-        "w_gate": ParamSpec((L, E, M), ("layers", "embed", "mlp"), LAYER + "mlp.gate_proj.weight", perm=(1, 0)),
-        "w_up": ParamSpec((L, E, M), ("layers", "embed", "mlp"), LAYER + "mlp.up_proj.weight", perm=(1, 0)),
-        "w_down": ParamSpec((L, M, E), ("layers", "mlp", "embed"), LAYER + "mlp.down_proj.weight", perm=(1, 0)),
     }
+    dense, sparse = cfg.mlp_layers, cfg.moe_layers
+    if dense:
+        Ld = len(dense)
+        specs |= {
+            "w_gate": ParamSpec((Ld, E, M), ("layers", "embed", "mlp"), LAYER + "mlp.gate_proj.weight", perm=(1, 0),
+                                layer_ids=dense),
+            "w_up": ParamSpec((Ld, E, M), ("layers", "embed", "mlp"), LAYER + "mlp.up_proj.weight", perm=(1, 0),
+                              layer_ids=dense),
+            "w_down": ParamSpec((Ld, M, E), ("layers", "mlp", "embed"), LAYER + "mlp.down_proj.weight",
+                                perm=(1, 0), layer_ids=dense),
+        }
+    if sparse:
+        Ls, X, Mx = len(sparse), cfg.num_experts, cfg.moe_intermediate_size
+        mixtral = cfg.architecture == "MixtralForCausalLM"
+        block = LAYER + ("block_sparse_moe." if mixtral else "mlp.")
+        gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        expert = block + "experts.{expert}.%s.weight"
+        specs |= {
+            "router": ParamSpec((Ls, E, X), ("layers", "embed", None), block + "gate.weight", perm=(1, 0),
+                                layer_ids=sparse),
+            "e_gate": ParamSpec((Ls, X, E, Mx), ("layers", "experts", "embed", "mlp"), expert % gate, perm=(1, 0),
+                                layer_ids=sparse),
+            "e_up": ParamSpec((Ls, X, E, Mx), ("layers", "experts", "embed", "mlp"), expert % up, perm=(1, 0),
+                              layer_ids=sparse),
+            "e_down": ParamSpec((Ls, X, Mx, E), ("layers", "experts", "mlp", "embed"), expert % down, perm=(1, 0),
+                                layer_ids=sparse),
+        }
     if cfg.qkv_bias:
         specs["bq"] = ParamSpec((L, H, D), ("layers", "heads", "head_dim"), attn + "q_proj.bias", view=((H, D),))
         for name, hf in (("bk", "k_proj.bias"), ("bv", "v_proj.bias")):
@@ -83,17 +108,21 @@ def rope_frequencies(cfg: ModelConfig) -> jax.Array:
     return inv
 
 
+MLP_KEYS, MOE_KEYS, TOP_KEYS = ("w_gate", "w_up", "w_down"), ("router", "e_gate", "e_up", "e_down"), \
+    ("embed", "final_norm", "lm_head")
+
+
 def forward(params: dict, tokens: jax.Array, cache: PagedKVCache, meta: StepMetadata, cfg: ModelConfig,
-            layout: Layout) -> tuple[jax.Array, PagedKVCache]:
+            layout: Layout) -> tuple[jax.Array, PagedKVCache, dict]:
     """One step over a flat ragged batch. tokens: [R, N] (R data-parallel replicas, N tokens each, at
-    meta.positions). Writes their keys/values into the paged cache; returns final hidden states [R, N, E]."""
+    meta.positions). Writes their keys/values into the paged cache; returns the final hidden states
+    [R, N, E], the cache, and for MoE models the tokens routed to each expert ([MoE layers, R, experts])."""
     act = ("batch", "seq", "embed")
     x = layout.constrain(params["embed"][tokens], act)
     inv_freq = rope_frequencies(cfg)
+    valid = jnp.arange(tokens.shape[1])[None] < jnp.take_along_axis(meta.query_start, meta.num_seqs[:, None], 1)
 
-    def layer(carry, p_and_index):
-        x, cache = carry
-        p, i = p_and_index
+    def attention_block(x, cache, p, i):
         h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
         q = jnp.einsum("bte,ehd->bthd", h, p["wq"])
         k = jnp.einsum("bte,ehd->bthd", h, p["wk"])
@@ -105,14 +134,42 @@ def forward(params: dict, tokens: jax.Array, cache: PagedKVCache, meta: StepMeta
         q, cache = rope_and_store(q, k, v, cache, i, meta, inv_freq, layout)
         o = paged_attention(q, cache, i, meta, layout)
         x = x + layout.constrain(jnp.einsum("bthd,hde->bte", o, p["wo"]), act)   # all-reduce over tp
-        h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-        gated = jax.nn.silu(jnp.einsum("bte,em->btm", h, p["w_gate"])) * jnp.einsum("bte,em->btm", h, p["w_up"])
-        x = x + layout.constrain(jnp.einsum("btm,me->bte", gated, p["w_down"]), act)  # all-reduce over tp
-        return (x, cache), None
+        return x, cache, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
 
-    layers = {k: v for k, v in params.items() if k not in ("embed", "final_norm", "lm_head")}
-    (x, cache), _ = jax.lax.scan(layer, (x, cache), (layers, jnp.arange(cfg.num_layers)))
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache
+    def mlp(h, p):
+        gated = jax.nn.silu(jnp.einsum("bte,em->btm", h, p["w_gate"])) * jnp.einsum("bte,em->btm", h, p["w_up"])
+        return jnp.einsum("btm,me->bte", gated, p["w_down"]), None             # all-reduce over tp follows
+
+    def mixture(h, p):                                                          # all-to-all over ep, twice
+        return moe(h, p["router"], p["e_gate"], p["e_up"], p["e_down"], valid, top_k=cfg.experts_per_token,
+                   normalize=cfg.norm_topk_prob, layout=layout)
+
+    def layer(carry, xs):
+        x, cache = carry
+        p, ffn_params, i, sparse = xs
+        x, cache, h = attention_block(x, cache, p, i)
+        y, counts = (mixture if sparse else mlp)(h, ffn_params)
+        return (x + layout.constrain(y, act), cache), counts
+
+    pick = lambda keys, ids=slice(None): {k: params[k][ids] for k in keys if k in params}  # noqa: E731
+    attn_keys = [k for k in params if k not in (*TOP_KEYS, *MLP_KEYS, *MOE_KEYS)]
+    sparse = bool(cfg.moe_layers)
+    if not cfg.moe_layers or not cfg.mlp_layers:   # every layer alike: one scan, compile time flat in depth
+        scan_layer = lambda carry, xs: layer(carry, (*xs, sparse))  # noqa: E731
+        ffn = pick(MOE_KEYS if sparse else MLP_KEYS)
+        (x, cache), counts = jax.lax.scan(scan_layer, (x, cache),
+                                          (pick(attn_keys), ffn, jnp.arange(cfg.num_layers)))
+        aux = {"expert_counts": counts} if sparse else {}
+    else:                                          # dense and MoE layers mixed: unrolled
+        counts = []
+        for i in range(cfg.num_layers):
+            sparse = i in cfg.moe_layers
+            own = cfg.moe_layers.index(i) if sparse else cfg.mlp_layers.index(i)
+            (x, cache), c = layer((x, cache), (pick(attn_keys, i), pick(MOE_KEYS if sparse else MLP_KEYS, own),
+                                               jnp.int32(i), sparse))
+            counts += [c] if sparse else []
+        aux = {"expert_counts": jnp.stack(counts)}
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache, aux
 
 
 def lm_head(params: dict, h: jax.Array) -> jax.Array:

@@ -300,7 +300,7 @@ def q_heads(hf: np.ndarray, heads: int) -> np.ndarray:
 def test_read_wq_shard(llama_fixture):
     cfg, ckpt, full = llama_fixture
     spec = llama.param_specs(cfg)["wq"]
-    got = ckpt.read(spec, (slice(None), slice(None), slice(2, 4), slice(None)), cfg.num_layers)
+    got = ckpt.read(spec, (slice(None), slice(None), slice(2, 4), slice(None)))
     assert got.shape == (cfg.num_layers, cfg.hidden_size, 2, cfg.head_dim)
     for layer in range(cfg.num_layers):
         q = full[f"model.layers.{layer}.self_attn.q_proj.weight"]            # [H*D, E]
@@ -313,7 +313,7 @@ def test_read_wk_replicated_shard(llama_fixture):
     assert cfg.num_kv_heads == 2
     spec = llama.param_specs(cfg, kv_repeat=4)["wk"]                      # 8 KV heads for tp=8
     assert spec.shape == (cfg.num_layers, cfg.hidden_size, 8, cfg.head_dim)
-    got = ckpt.read(spec, (slice(1, 3), slice(None), slice(3, 5), slice(None)), cfg.num_layers)
+    got = ckpt.read(spec, (slice(1, 3), slice(None), slice(3, 5), slice(None)))
     assert got.shape == (2, cfg.hidden_size, 2, cfg.head_dim)
     for i, layer in enumerate((1, 2)):
         k = full[f"model.layers.{layer}.self_attn.k_proj.weight"]            # [KV*D, E]
@@ -326,7 +326,7 @@ def test_read_wk_replicated_shard(llama_fixture):
 def test_read_wo_shard(llama_fixture):
     cfg, ckpt, full = llama_fixture
     spec = llama.param_specs(cfg)["wo"]                                    # [L, H, D, E]
-    got = ckpt.read(spec, (slice(None), slice(2, 4), slice(None), slice(None)), cfg.num_layers)
+    got = ckpt.read(spec, (slice(None), slice(2, 4), slice(None), slice(None)))
     for layer in range(cfg.num_layers):
         o = full[f"model.layers.{layer}.self_attn.o_proj.weight"]            # [E, H*D]
         want = o.reshape(cfg.hidden_size, cfg.num_heads, cfg.head_dim).transpose(1, 2, 0)[2:4]
@@ -337,26 +337,26 @@ def test_read_mlp_and_vocab_shards(llama_fixture):
     cfg, ckpt, full = llama_fixture
     specs = llama.param_specs(cfg)
     L = cfg.num_layers
-    got = ckpt.read(specs["w_down"], (slice(None), slice(40, 80), slice(None)), L)
+    got = ckpt.read(specs["w_down"], (slice(None), slice(40, 80), slice(None)))
     for layer in range(L):
         np.testing.assert_array_equal(got[layer], full[f"model.layers.{layer}.mlp.down_proj.weight"].T[40:80])
-    got = ckpt.read(specs["w_gate"], (slice(0, 1), slice(None), slice(80, 120)), L)
+    got = ckpt.read(specs["w_gate"], (slice(0, 1), slice(None), slice(80, 120)))
     np.testing.assert_array_equal(got[0], full["model.layers.0.mlp.gate_proj.weight"].T[:, 80:120])
-    got = ckpt.read(specs["lm_head"], (slice(None), slice(96, 192)), L)
+    got = ckpt.read(specs["lm_head"], (slice(None), slice(96, 192)))
     np.testing.assert_array_equal(got, full["lm_head.weight"].T[:, 96:192])
-    got = ckpt.read(specs["embed"], (slice(192, 288), slice(None)), L)
+    got = ckpt.read(specs["embed"], (slice(192, 288), slice(None)))
     np.testing.assert_array_equal(got, full["model.embed_tokens.weight"][192:288])
 
 
-def our_layout(spec, tensors: dict[str, np.ndarray], num_layers: int) -> np.ndarray:
+def our_layout(spec, tensors: dict[str, np.ndarray]) -> np.ndarray:
     """The full parameter in our layout, built with numpy from the HF tensors."""
     def one(name):
         a = tensors[name].reshape([d for g in spec.groups for d in g])
         a = np.transpose(a, spec.perm or tuple(range(a.ndim)))
         axis, r = spec.repeat
         return np.repeat(a, r, axis=axis)
-    if spec.stacked:
-        return np.stack([one(n) for n in spec.hf_names(num_layers)])
+    if spec.stack_depth:
+        return np.stack([one(n) for n in spec.hf_names()])
     return one(spec.hf)
 
 
@@ -371,11 +371,11 @@ def test_every_device_reads_its_shard(fixture, tp):
     layout = Layout(MeshConfig(tp=tp).make())
     repeat = kv_head_repeat(cfg, tp)
     for key, spec in llama.param_specs(cfg, repeat).items():
-        full = our_layout(spec, tensors, cfg.num_layers)
+        full = our_layout(spec, tensors)
         assert full.shape == spec.shape, key
         indices = layout.sharding(spec.axes).devices_indices_map(spec.shape)
         for device, index in indices.items():
-            got = ckpt.read(spec, index, cfg.num_layers)
+            got = ckpt.read(spec, index)
             assert got.dtype == full.dtype, key
             np.testing.assert_array_equal(got, full[index], err_msg=f"{fixture} {key} on {device}")
 
@@ -387,14 +387,14 @@ def test_bf16_fixture_reads_bfloat16():
     ckpt = Checkpoint(path)
     full = raw_tensors(path / ST)
     specs = llama.param_specs(cfg, 1)
-    got = ckpt.read(specs["wq"], (slice(None), slice(None), slice(1, 3), slice(None)), cfg.num_layers)
+    got = ckpt.read(specs["wq"], (slice(None), slice(None), slice(1, 3), slice(None)))
     assert got.dtype == ml_dtypes.bfloat16
     for layer in range(cfg.num_layers):
         want = q_heads(full[f"model.layers.{layer}.self_attn.q_proj.weight"], cfg.num_heads)[:, 1:3]
         assert want.dtype == ml_dtypes.bfloat16
         np.testing.assert_array_equal(got[layer].view(np.uint16), want.view(np.uint16))
     # tied embeddings: the LM head is the embedding transposed
-    got = ckpt.read(specs["lm_head"], (slice(None), slice(0, 96)), cfg.num_layers)
+    got = ckpt.read(specs["lm_head"], (slice(None), slice(0, 96)))
     np.testing.assert_array_equal(got.view(np.uint16), full["model.embed_tokens.weight"].T[:, :96].view(np.uint16))
 
 
@@ -411,11 +411,11 @@ def test_load_params_places_each_shard():
     cfg = ModelConfig.from_dir(FIXTURES / "llama")
     layout = Layout(MeshConfig(tp=2).make())
     specs = llama.param_specs(cfg, kv_head_repeat(cfg, 2))
-    params = load_params(Checkpoint(FIXTURES / "llama"), specs, layout.sharding, np.float32, cfg.num_layers)
+    params = load_params(Checkpoint(FIXTURES / "llama"), specs, layout.sharding, np.float32)
     tensors = load_file(str(FIXTURES / "llama" / ST))
     wq = params["wq"]
     assert wq.sharding.spec == jax.sharding.PartitionSpec(None, None, "tp", None)
-    full = our_layout(specs["wq"], tensors, cfg.num_layers)
+    full = our_layout(specs["wq"], tensors)
     assert len(wq.addressable_shards) == 2
     for shard in wq.addressable_shards:
         assert shard.data.shape == (cfg.num_layers, cfg.hidden_size, cfg.num_heads // 2, cfg.head_dim)

@@ -13,11 +13,12 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 def workload(seed: int, n: int = 16) -> list[tuple[list[int], SamplingParams]]:
-    """Mixed prompt lengths (1 to ~100 tokens: decode-only to several prefill chunks) and output lengths."""
-    rng = np.random.default_rng(seed)
+    """Mixed prompt lengths (1 to 100 tokens: decode-only to several prefill chunks) and output lengths (2 to
+    11); the seed draws the tokens, so workloads of different seeds have the same shape."""
+    rng, outputs = np.random.default_rng(seed), np.random.default_rng(100).integers(2, 12, size=16)
     lengths = [1, 5, 15, 16, 17, 33, 48, 64, 90, 100, 3, 9, 20, 31, 47, 70][:n]
-    return [(rng.integers(4, 384, size=length).tolist(), SamplingParams(max_tokens=int(rng.integers(2, 12)), **GREEDY))
-            for length in lengths]
+    return [(rng.integers(4, 384, size=length).tolist(), SamplingParams(max_tokens=int(m), **GREEDY))
+            for length, m in zip(lengths, outputs, strict=False)]
 
 
 def serve(llm: LLM, requests, arrive_every: int = 2) -> dict[str, list[int]]:

@@ -1,0 +1,173 @@
+"""Mixture-of-experts FFN (Mixtral / Qwen3-MoE routing), expert parallel over "ep" with one shard_map.
+
+Routing reproduces Hugging Face exactly, ties included: logits = x @ router in x's dtype (as HF's gate
+Linear), softmax over all experts in float32, `lax.top_k` (ties -> lower expert index, like torch.topk), the top-k
+probabilities renormalised if `normalize`, cast to x's dtype; each chosen expert computes
+down(silu(gate(x)) * up(x)) and the k results are weighted and summed.
+
+Expert parallel layout (the rules table): tokens are sharded over the batch axes, which must include the
+experts' axis ("batch" -> ("dp", "ep")), so every ep rank routes its own replica's tokens; experts are
+split over "ep" and each expert's FFN width over "tp" (Megatron: column-parallel gate/up, row-parallel
+down). Per device, with T local tokens, A = T*k assignments and capacity C = A (room for every
+assignment going to one rank, so no token is ever dropped whatever the routing):
+
+1. route; 2. sort the assignments by global expert, which groups them by owner (expert // X_local) and
+   within an owner by local expert, and write them compacted into a fixed [ep, C, .] send buffer;
+3. all-to-all over ep (tiled: split axis 0 = destination, concat axis 0 = source); 4. sort what arrived
+   by local expert and run it through the local experts with `lax.ragged_dot`; 5. all-to-all back to the
+   source slots; 6. weight and sum the k choices; 7. one psum over tp (each tp rank holds a partial
+   down-projection), none at tp=1. Counts are a local histogram, returned sharded like the tokens.
+
+Bytes per device (b = x's itemsize; everything fixed-shape, there is no ragged all-to-all on CPU):
+- dispatch all-to-all: ep * C * (E * b + 4). The local expert id of each slot (int32, x_local marks an
+  empty slot) rides in the same message, bitcast into trailing columns of an unsigned-int view of the
+  payload: sending it separately would cost a third all-to-all, and the receiver cannot know it otherwise.
+- combine all-to-all: ep * C * E * b.
+The analytical minimum is n * k * E * b each way (what a ragged all-to-all would move): the padded
+buffers cost ep times that. Where ep == 1 both all-to-alls are trivial and are not emitted. The combine
+payload also travels as an unsigned-int view, so bf16 stays 2 bytes on the wire (see step 5).
+
+`lax.ragged_dot` rows beyond sum(group_sizes): on CPU they come out exactly 0 (XLA lowers it to a dense
+dot over a `select`-masked [groups, rows, k] operand, so even NaN there does not leak); other backends
+do not promise this, so empty slots are sorted last (id x_local, outside every group) and their outputs
+are masked with `where` regardless.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from jaxinfer.sharding import Layout
+
+TOKENS = ("batch", "seq", "embed")
+WEIGHTS_IN, WEIGHTS_OUT = ("experts", "embed", "mlp"), ("experts", "mlp", "embed")
+
+
+def route(x: jax.Array, router: jax.Array, valid: jax.Array, *, top_k: int,
+          normalize: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """HF routing of x [R, N, E]: (weights [R, N, k] in x's dtype, experts int32 [R, N, k], counts [R, X])."""
+    # The gate's logits are rounded to the model dtype before the float32 softmax, as in transformers
+    # (a no-op for float32; for bfloat16 it keeps near-tied top-k choices identical to the reference).
+    logits = jnp.dot(x, router.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    logits = logits.astype(jnp.float32)
+    probs, experts = lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
+    if normalize:
+        probs = probs / probs.sum(-1, keepdims=True)
+    hits = (experts[..., None] == jnp.arange(router.shape[1])) & valid[..., None, None]
+    return probs.astype(x.dtype), experts.astype(jnp.int32), hits.sum((1, 2), dtype=jnp.int32)
+
+
+def moe_reference(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                  valid: jax.Array, *, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """The ground truth: plain jnp, the chosen experts' weights gathered per token. Padding tokens -> 0."""
+    weights, experts, counts = route(x, router, valid, top_k=top_k, normalize=normalize)
+    gate = jnp.einsum("rne,rnkem->rnkm", x, w_gate[experts])
+    up = jnp.einsum("rne,rnkem->rnkm", x, w_up[experts])
+    out = jnp.einsum("rnkm,rnkme->rnke", jax.nn.silu(gate) * up, w_down[experts])
+    y = (weights[..., None] * out).sum(2)
+    return jnp.where(valid[..., None], y, 0).astype(x.dtype), counts
+
+
+def _uint(dtype: jnp.dtype) -> jnp.dtype:
+    return jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
+
+
+def _pack(payload: jax.Array, ids: jax.Array) -> jax.Array:
+    """[..., E] activations and int32 ids [...] -> one unsigned-int array [..., E + 4 / itemsize]."""
+    uint = _uint(payload.dtype)
+    tail = lax.bitcast_convert_type(ids, uint).reshape(*ids.shape, -1)
+    return jnp.concatenate([lax.bitcast_convert_type(payload, uint), tail], axis=-1)
+
+
+def _unpack(packed: jax.Array, embed: int, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    tail = packed[..., embed:]
+    tail = tail[..., 0] if tail.shape[-1] == 1 else tail
+    return lax.bitcast_convert_type(packed[..., :embed], dtype), lax.bitcast_convert_type(tail, jnp.int32)
+
+
+def _spec(layout: Layout, axes: tuple[str | None, ...]) -> PartitionSpec:
+    """layout.spec without mesh axes of size 1: the same placement, but nothing varies over them, so a
+    tp=1 mesh needs no psum over "tp" (which XLA would otherwise keep as a one-device all-reduce)."""
+    def keep(entry: str | tuple[str, ...] | None) -> tuple[str, ...] | None:
+        names = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if layout.mesh.shape[a] > 1)
+        return names or None
+    return PartitionSpec(*map(keep, layout.spec(axes)))
+
+
+def _mesh_axis(layout: Layout, logical: str) -> str | None:
+    axis = dict(layout.rules).get(logical)
+    if axis is not None and not isinstance(axis, str):
+        raise ValueError(f"moe needs {logical!r} on at most one mesh axis, the rules give {axis!r}")
+    return axis
+
+
+def moe(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+        valid: jax.Array, *, top_k: int, normalize: bool, layout: Layout) -> tuple[jax.Array, jax.Array]:
+    """Expert-parallel MoE FFN. x [R, N, E], router [E, X], w_gate/w_up [X, E, M], w_down [X, M, E],
+    valid bool [R, N] -> (y [R, N, E] in x's dtype, padding tokens 0; counts int32 [R, X] of valid tokens).
+
+    Communication per call and device: two all-to-alls over ep (bytes in the module docstring) and, where
+    the FFN width is split (tp > 1), one all-reduce of the [n, E] output; no all-gather, weights never move.
+    """
+    mesh, num_experts = layout.mesh, router.shape[1]
+    ep_axis, tp_axis = _mesh_axis(layout, "experts"), _mesh_axis(layout, "mlp")
+    ep = mesh.shape[ep_axis] if ep_axis else 1
+    tp = mesh.shape[tp_axis] if tp_axis else 1
+    if num_experts % ep:
+        raise ValueError(f"{num_experts} experts cannot be split evenly over ep={ep}: "
+                         f"use an ep that divides {num_experts}")
+    batch = layout.spec(TOKENS)[0]
+    batch_axes = (batch,) if isinstance(batch, str) else tuple(batch or ())
+    if ep > 1 and ep_axis not in batch_axes:
+        raise ValueError(f"expert parallel needs the tokens sharded over {ep_axis!r} too (rules 'batch' -> "
+                         f"(..., {ep_axis!r})); they are sharded over {batch_axes}")
+    x_local = num_experts // ep
+
+    def a2a(t: jax.Array) -> jax.Array:
+        return lax.all_to_all(t, ep_axis, 0, 0, tiled=True) if ep > 1 else t
+
+    def local(x, valid, router, w_gate, w_up, w_down):
+        r, n, embed = x.shape
+        weights, experts, counts = route(x, router, valid, top_k=top_k, normalize=normalize)
+        cap = r * n * top_k  # C: one slot per assignment, to every rank
+        # 2. dispatch: sorted by global expert = grouped by owner, then by local expert; padding sorts last.
+        flat = jnp.where(valid[..., None], experts, num_experts).reshape(cap)
+        order = jnp.argsort(flat, stable=True)
+        chosen = flat[order]
+        dest = chosen // x_local  # == ep for padding: dropped by the scatter, filled with 0 by the gather
+        first = jnp.searchsorted(chosen, jnp.arange(ep) * x_local)
+        slot = jnp.arange(cap) - first[jnp.minimum(dest, ep - 1)]
+        tokens = x.reshape(r * n, embed)[order // top_k]
+        payload = jnp.zeros((ep, cap, embed), x.dtype).at[dest, slot].set(tokens, mode="drop")
+        ids = jnp.full((ep, cap), x_local, jnp.int32).at[dest, slot].set(chosen % x_local, mode="drop")
+        # 3. to the owners; 4. grouped FFN over everything that arrived, sorted by local expert.
+        received, ids = _unpack(a2a(_pack(payload, ids)).reshape(ep * cap, -1), embed, x.dtype)
+        by_expert = jnp.argsort(ids, stable=True)
+        sizes = (ids[:, None] == jnp.arange(x_local)).sum(0, dtype=jnp.int32)  # empty slots: beyond sum(sizes)
+        xs = received[by_expert]
+        hidden = jax.nn.silu(lax.ragged_dot(xs, w_gate, sizes)) * lax.ragged_dot(xs, w_up, sizes)
+        out = lax.ragged_dot(hidden, w_down, sizes)
+        out = jnp.where((ids[by_expert] < x_local)[:, None], out, 0)
+        out = jnp.zeros_like(out).at[by_expert].set(out)  # back to arrival order
+        # 5. back to the source slots; 6. weight and sum the k choices; 7. one all-reduce over tp.
+        # The unsigned view pins the wire format to x's dtype: for bf16, XLA:CPU would otherwise move the
+        # rounding of the f32 matmul result past the all-to-all and send float32.
+        wire = lax.bitcast_convert_type(out.reshape(ep, cap, embed), _uint(x.dtype))
+        back = lax.bitcast_convert_type(a2a(wire), x.dtype).at[dest, slot].get(mode="fill", fill_value=0)
+        per_choice = jnp.zeros_like(back).at[order].set(back).reshape(r, n, top_k, embed)
+        y = (weights[..., None] * per_choice).sum(2)
+        return (lax.psum(y, tp_axis) if tp > 1 else y), counts
+
+    spec = functools.partial(_spec, layout)
+    y, counts = jax.shard_map(
+        local, mesh=mesh,
+        in_specs=(spec(TOKENS), spec(TOKENS[:2]), PartitionSpec(), spec(WEIGHTS_IN), spec(WEIGHTS_IN),
+                  spec(WEIGHTS_OUT)),
+        out_specs=(spec(TOKENS), spec(("batch", None))),
+    )(x, valid, router, w_gate, w_up, w_down)
+    return y, counts

@@ -1,0 +1,39 @@
+"""The serving benchmark in-process on a tiny random model: its accounting, not its speed."""
+
+import json
+import math
+
+from jaxinfer import bench_serving
+from jaxinfer.random_model import DEFAULT, write_random_checkpoint
+
+TINY = {**DEFAULT, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def test_bench_serving_json(tmp_path, capsys):
+    path = write_random_checkpoint(tmp_path / "tiny", TINY)
+    # 16-token steps force chunked prefill of the up-to-40-token prompts; 24 pages of 4 tokens (96 slots)
+    # cannot hold 8 requests of up to 40 + 12 tokens, so some are preempted and recomputed.
+    argv = ["--model", str(path), "--num-requests", "8", "--prompt-len-range", "8", "40",
+            "--output-len-range", "2", "12", "--page-size", "4", "--num-pages", "24", "--max-num-seqs", "8",
+            "--max-tokens-per-step", "16", "--dtype", "float32", "--seed", "3", "--json"]
+    assert bench_serving.main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+
+    args = bench_serving.parse_args(argv)
+    work = bench_serving.workload(args, TINY["vocab_size"], args.seed)
+    assert r["completed"] == 8 and r["exact_output_lengths"] is True
+    assert r["output_tokens"] == sum(n for _, _, n in work)
+    assert r["prompt_tokens"] == sum(len(p) for _, p, _ in work)
+    assert any(len(p) > 16 for _, p, _ in work)  # at least one prompt needs two prefill chunks
+    for key in ("ttft", "tpot", "itl"):
+        x = r[key]
+        assert all(math.isfinite(v) and v >= 0 for v in x.values()), key
+        assert x["p99_ms"] >= x["median_ms"], key
+    assert r["duration_s"] > 0 and r["output_throughput"] > 0 and r["total_token_throughput"] > r["output_throughput"]
+    assert 0 < r["kv_utilisation_contiguous"] <= r["kv_utilisation_paged"] <= 1
+    assert r["paged_over_contiguous"] >= 1
+    assert 0 < r["peak_pages_in_use"] <= r["pool_pages"] == 24
+    assert r["compilations_measured"] == 0 and r["compilations_total"] > 0
+    assert r["preemptions"] > 0
+    assert "Serving Benchmark Result" in bench_serving.readable(r)

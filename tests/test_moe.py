@@ -1,0 +1,191 @@
+"""Expert-parallel MoE: the jnp reference against the Hugging Face algorithm written as a numpy loop, the
+shard_map version against the reference on many meshes, forced imbalance, ties, padding, and the
+communication of the compiled program (two all-to-alls, one all-reduce only at tp > 1)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxinfer import sharding
+from jaxinfer.collectives import collective_report
+from jaxinfer.mesh import MeshConfig
+from jaxinfer.moe import moe, moe_reference
+from jaxinfer.sharding import Layout
+
+RULES = tuple(dict(sharding.RULES, batch=("dp", "ep"), experts="ep").items())
+N = 8  # tokens per replica
+
+
+def make_inputs(r: int, e: int, m: int, x_: int, seed: int = 0, dtype=jnp.float32, valid_frac: float = 0.8):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(r, N, e))
+    router = rng.normal(size=(e, x_))
+    w_gate, w_up = rng.normal(size=(2, x_, e, m)) / e**0.5
+    w_down = rng.normal(size=(x_, m, e)) / m**0.5
+    valid = rng.random((r, N)) < valid_frac
+    cast = lambda a: jnp.asarray(a, dtype)  # noqa: E731
+    return cast(x), cast(router), cast(w_gate), cast(w_up), cast(w_down), jnp.asarray(valid)
+
+
+def hf_loop(x, router, w_gate, w_up, w_down, valid, top_k, normalize):
+    """Mixtral / Qwen3-MoE sparse block, token by token: float32 routing, stable sort of -probs."""
+    x, router, w_gate, w_up, w_down = (np.asarray(a, np.float32) for a in (x, router, w_gate, w_up, w_down))
+    silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
+    y, counts = np.zeros(x.shape, np.float64), np.zeros((x.shape[0], router.shape[1]), np.int64)
+    for r in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            if not valid[r, t]:
+                continue
+            logits = x[r, t] @ router
+            probs = np.exp(logits - logits.max())
+            probs /= probs.sum()
+            chosen = np.argsort(-probs, kind="stable")[:top_k]
+            weights = probs[chosen] / (probs[chosen].sum() if normalize else 1)
+            for ex, w in zip(chosen, weights, strict=True):
+                counts[r, ex] += 1
+                h = silu(x[r, t] @ w_gate[ex]) * (x[r, t] @ w_up[ex])
+                y[r, t] += w * (h @ w_down[ex])
+    return y, counts
+
+
+def layout_for(cfg: MeshConfig) -> Layout:
+    return Layout(cfg.make(), RULES)
+
+
+def jit_moe(layout: Layout, args, top_k: int, normalize: bool):
+    """device_put every argument with its rules sharding; returns (jitted fn, placed args)."""
+    x, router, w_gate, w_up, w_down, valid = args
+    placed = (jax.device_put(x, layout.sharding(("batch", "seq", "embed"))),
+              jax.device_put(router, NamedSharding(layout.mesh, P())),
+              jax.device_put(w_gate, layout.sharding(("experts", "embed", "mlp"))),
+              jax.device_put(w_up, layout.sharding(("experts", "embed", "mlp"))),
+              jax.device_put(w_down, layout.sharding(("experts", "mlp", "embed"))),
+              jax.device_put(valid, layout.sharding(("batch", "seq"))))
+    fn = jax.jit(lambda *a: moe(*a, top_k=top_k, normalize=normalize, layout=layout))
+    return fn, placed
+
+
+def check_equal(cfg: MeshConfig, args, top_k: int, normalize: bool):
+    fn, placed = jit_moe(layout_for(cfg), args, top_k, normalize)
+    y, counts = fn(*placed)
+    y_ref, counts_ref = moe_reference(*args, top_k=top_k, normalize=normalize)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(counts_ref))
+    assert counts.dtype == jnp.int32 and y.dtype == args[0].dtype
+    return y, counts
+
+
+@pytest.mark.parametrize("e,m,x_,top_k,normalize", [(16, 24, 8, 2, True), (32, 48, 16, 4, False),
+                                                    (16, 24, 8, 4, True)])
+def test_reference_matches_hf_loop(e, m, x_, top_k, normalize):
+    args = make_inputs(3, e, m, x_, seed=e + top_k)
+    y_ref, counts_ref = moe_reference(*args, top_k=top_k, normalize=normalize)
+    y_hf, counts_hf = hf_loop(*args, top_k, normalize)
+    np.testing.assert_allclose(np.asarray(y_ref), y_hf, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(np.asarray(counts_ref), counts_hf)
+
+
+@pytest.mark.parametrize("mesh,x_,top_k,normalize", [
+    (MeshConfig(), 8, 2, True),
+    (MeshConfig(ep=2), 8, 4, True),
+    (MeshConfig(ep=4), 8, 2, False),
+    (MeshConfig(ep=8), 8, 2, True),
+    (MeshConfig(ep=8), 16, 4, True),
+    (MeshConfig(ep=2, tp=2), 8, 4, False),
+    (MeshConfig(dp=2, ep=4), 8, 2, True),
+    (MeshConfig(ep=4, tp=2), 16, 4, True),
+], ids=str)
+def test_moe_matches_reference(mesh, x_, top_k, normalize):
+    args = make_inputs(mesh.dp * mesh.ep, 16, 24 if x_ == 8 else 48, x_, seed=mesh.size + x_ + top_k)
+    check_equal(mesh, args, top_k, normalize)
+
+
+@pytest.mark.parametrize("x_,top_k", [(8, 2), (16, 4)])
+def test_forced_imbalance_drops_nothing(x_, top_k):
+    """Every token picks the same top_k experts, all owned by ep rank 2: that rank receives C = n * k
+    assignments from every source, the worst case the capacity is sized for."""
+    mesh = MeshConfig(ep=4)
+    x, router, *rest, valid = make_inputs(4, 16, 24, x_, seed=7)
+    x = jnp.abs(x) + 0.5
+    hot = np.arange(top_k) + 2 * x_ // 4  # the experts of rank 2
+    router = router.at[:, hot].set(3.0 - 0.05 * np.arange(top_k))
+    args = (x, router, *rest, valid)
+    y, counts = check_equal(mesh, args, top_k, True)
+    expected = np.zeros((4, x_), np.int64)
+    expected[:, hot] = np.asarray(valid).sum(1)[:, None]
+    np.testing.assert_array_equal(np.asarray(counts), expected)
+    y_hf, _ = hf_loop(*args, top_k, True)  # larger activations here: float32 sums in another order
+    np.testing.assert_allclose(np.asarray(y), y_hf, atol=5e-5, rtol=0)
+
+
+@pytest.mark.parametrize("top_k,chosen", [(2, [1, 3]), (4, [1, 3, 6, 0])])
+def test_ties_pick_lower_expert_index(top_k, chosen):
+    """Experts 1, 3 and 6 get bit-identical logits (integer inputs: every sum is exact), the rest 0."""
+    x_ = 8
+    x, _, w_gate, w_up, w_down, valid = make_inputs(4, 16, 24, x_, seed=3)
+    x = jnp.asarray(np.random.default_rng(3).integers(1, 3, size=x.shape), jnp.float32)
+    router = jnp.zeros((16, x_), jnp.float32).at[:, [1, 3, 6]].set(1.0)
+    args = (x, router, w_gate, w_up, w_down, valid)
+    _, counts = check_equal(MeshConfig(ep=4), args, top_k, True)
+    expected = np.zeros((4, x_), np.int64)
+    expected[:, chosen] = np.asarray(valid).sum(1)[:, None]
+    np.testing.assert_array_equal(np.asarray(counts), expected)
+    y_hf, counts_hf = hf_loop(*args, top_k, True)
+    np.testing.assert_array_equal(counts_hf, expected)
+    np.testing.assert_allclose(np.asarray(moe_reference(*args, top_k=top_k, normalize=True)[0]), y_hf, atol=1e-5)
+
+
+def test_padding_not_counted_and_ignored():
+    mesh = MeshConfig(dp=2, ep=2)
+    x, *weights, valid = make_inputs(4, 16, 24, 8, seed=11, valid_frac=0.6)
+    valid = valid.at[1].set(False)  # a replica with no real tokens at all
+    y, counts = check_equal(mesh, (x, *weights, valid), 2, True)
+    assert int(counts[1].sum()) == 0
+    assert int(counts.sum()) == 2 * int(valid.sum())
+    assert not np.asarray(y)[~np.asarray(valid)].any()  # padding outputs are 0
+    noise = jnp.where(valid[..., None], x, 100.0)  # what padding holds changes nothing
+    y2, counts2 = check_equal(mesh, (noise, *weights, valid), 2, True)
+    np.testing.assert_array_equal(np.asarray(y2), np.asarray(y))
+    np.testing.assert_array_equal(np.asarray(counts2), np.asarray(counts))
+
+
+def test_bfloat16_runs_and_packs_ids():
+    """bf16 sends its int32 expert ids as two uint16 columns; routing and counts still match."""
+    args = make_inputs(4, 16, 24, 8, seed=5, dtype=jnp.bfloat16)
+    fn, placed = jit_moe(layout_for(MeshConfig(ep=4)), args, 2, True)
+    y, counts = fn(*placed)
+    y_ref, counts_ref = moe_reference(*args, top_k=2, normalize=True)
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_ref, np.float32), atol=3e-2)
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(counts_ref))
+
+
+@pytest.mark.parametrize("mesh,dtype", [(MeshConfig(ep=4), jnp.float32), (MeshConfig(ep=4), jnp.bfloat16),
+                                        (MeshConfig(ep=2, tp=2), jnp.float32)], ids=str)
+def test_compiled_collectives(mesh, dtype):
+    e, top_k = 16, 2
+    args = make_inputs(mesh.ep, e, 24, 8, dtype=dtype)
+    fn, placed = jit_moe(layout_for(mesh), args, top_k, True)
+    report = collective_report(fn.lower(*placed).compile().as_text())
+    b, cap = jnp.dtype(dtype).itemsize, N * top_k
+    dispatch, combine = mesh.ep * cap * (e * b + 4), mesh.ep * cap * e * b
+    assert report["all-to-all"] == {"count": 2, "bytes": dispatch + combine}
+    assert report["all-gather"]["count"] == 0  # expert weights never move
+    assert report["collective-permute"]["count"] == 0 and report["reduce-scatter"]["count"] == 0
+    all_reduce = {"count": 1, "bytes": N * e * b} if mesh.tp > 1 else {"count": 0, "bytes": 0}
+    assert report["all-reduce"] == all_reduce  # one [n, E] all-reduce over tp, like a dense MLP
+
+
+def test_experts_not_divisible_by_ep():
+    args = make_inputs(4, 16, 24, 6)
+    with pytest.raises(ValueError, match=r"6 experts .* ep=4"):
+        moe(*args, top_k=2, normalize=True, layout=layout_for(MeshConfig(ep=4)))
+
+
+def test_batch_must_be_sharded_over_ep():
+    layout = Layout(MeshConfig(ep=2).make(), tuple(dict(sharding.RULES, batch="dp", experts="ep").items()))
+    with pytest.raises(ValueError, match="sharded over 'ep'"):
+        moe(*make_inputs(2, 16, 24, 8), top_k=2, normalize=True, layout=layout)
