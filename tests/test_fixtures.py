@@ -14,6 +14,8 @@ TOL = 1e-4
 MESHES = ["", "tp=2", "tp=4", "dp=2,tp=2", "dp=8"]
 CASES = [(name, mesh) for name in ("llama", "llama3_scaled", "qwen2", "qwen3") for mesh in MESHES]
 CASES += [("llama", "tp=8"), ("qwen2", "tp=8"), ("qwen3", "tp=8")]  # 8 heads: KV heads replicated
+MOE_MESHES = ["", "ep=2", "ep=4", "ep=8", "ep=2,tp=2", "dp=2,ep=4", "ep=4,tp=2"]
+CASES += [(name, mesh) for name in ("mixtral", "qwen3_moe") for mesh in MOE_MESHES]
 
 
 def golden(name):
@@ -43,6 +45,9 @@ def test_logits_and_greedy_match_reference(name, mesh):
     for prompt, out, ref in zip(prompts, outs, ref_greedy, strict=True):
         assert out.finish_reason == "length" and len(out.token_ids) == len(ref)
         check_greedy_path(llm, prompt, out.token_ids, ref)
+    if llm.config.num_experts:  # the load report covers every MoE layer and expert
+        load = np.asarray(llm.engine.expert_load.report()["total"]["tokens_per_expert"])
+        assert load.shape == (len(llm.config.moe_layers), llm.config.num_experts)
 
 
 def test_mistral_is_the_llama_block(tmp_path):

@@ -1,4 +1,4 @@
-"""Mixtral and Qwen3-MoE against the Hugging Face reference on expert-parallel layouts."""
+"""Mixtral and Qwen3-MoE on expert-parallel layouts (their numerics against the reference: test_fixtures.py)."""
 
 import json
 import shutil
@@ -11,26 +11,9 @@ from safetensors.numpy import load_file, save_file
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.checkpoint import CheckpointError
 from jaxinfer.mesh import MeshError
-from tests.test_fixtures import TOL, check_greedy_path, golden
+from tests.test_fixtures import golden
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "hf-tiny"
-MESHES = ["", "ep=2", "ep=4", "ep=8", "ep=2,tp=2", "dp=2,ep=4", "ep=4,tp=2"]
-
-
-@pytest.mark.parametrize("name,mesh", [(n, m) for n in ("mixtral", "qwen3_moe") for m in MESHES])
-def test_logits_and_greedy_match_reference(name, mesh):
-    prompts, ref_logits, ref_greedy = golden(name)
-    llm = LLM(FIXTURES / name, mesh=mesh, dtype="float32")
-    for i, logits in enumerate(llm.logits(prompts)):
-        np.testing.assert_allclose(logits, ref_logits[i, : len(prompts[i])], atol=TOL, rtol=0)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=ref_greedy.shape[1], temperature=0, ignore_eos=True))
-    for prompt, out, ref in zip(prompts, outs, ref_greedy, strict=True):
-        check_greedy_path(llm, prompt, out.token_ids, ref)
-    load = llm.engine.expert_load.report()["total"]
-    cfg = llm.config
-    assert np.asarray(load["tokens_per_expert"]).shape == (len(cfg.moe_layers), cfg.num_experts)
-
-
 def test_decode_step_exchanges_tokens_by_two_all_to_alls_per_layer():
     llm = LLM(FIXTURES / "mixtral", mesh="ep=4", dtype="float32")
     prompts, _, _ = golden("mixtral")
