@@ -92,12 +92,20 @@ def paged_attention(q: jax.Array, cache: PagedKVCache, layer: jax.Array, meta: S
     )(q, cache.k, cache.v, layer, meta.page_table, meta.seq_lens, meta.query_start, meta.num_seqs)
 
 
-def default_backend(platform: str) -> str:
-    return "pallas" if platform == "gpu" else "xla"
+def pallas_supports(head_dim: int, page_size: int) -> bool:
+    """The Triton kernels tile power-of-two dims of at least 16 (a dot's K dimension)."""
+    return all(n >= 16 and n & (n - 1) == 0 for n in (head_dim, page_size))
 
 
-def check_backend(name: str) -> str:
-    if name not in BACKENDS:
-        raise ValueError(f"attention backend {name!r} is not one of {', '.join(BACKENDS)}")
-    return name
+def choose_backend(requested: str | None, platform: str, head_dim: int, page_size: int) -> str:
+    """The kernels on GPU where they can serve the shapes, else the reference; an explicit choice is checked."""
+    if requested is None:
+        return "pallas" if platform == "gpu" and pallas_supports(head_dim, page_size) else "xla"
+    if requested not in BACKENDS:
+        raise ValueError(f"attention backend {requested!r} is not one of {', '.join(BACKENDS)}")
+    if requested == "pallas" and not pallas_supports(head_dim, page_size):
+        raise ValueError(f"the pallas attention backend needs head_dim and page_size to be powers of two >= 16; "
+                         f"this model has head_dim {head_dim} and the cache page_size {page_size}: use "
+                         f"attention_backend='xla'")
+    return requested
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxinfer.attention import StepMetadata, check_backend, default_backend
+from jaxinfer.attention import StepMetadata, choose_backend
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import PagedKVCache, page_bytes, pages_from_budget
 from jaxinfer.page_pool import PagePool
@@ -115,9 +115,9 @@ class Engine:
         self.model, self.cfg, self.layout, self.params = model, cfg, layout, params
         self.dtype, self.kv_heads, self.tokenizer = dtype, kv_heads, tokenizer
         device = layout.mesh.devices.flat[0]
-        self.backend = check_backend(attention_backend or default_backend(device.platform))
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size={page_size} must be a power of two")
+        self.backend = choose_backend(attention_backend, device.platform, cfg.head_dim, page_size)
         self.max_tokens = bucket(max_tokens_per_step, 16)
         self.max_seqs = max_num_seqs
         dp, tp = layout.axis_size("batch"), layout.mesh.shape["tp"]   # replicas: dp x ep

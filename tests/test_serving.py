@@ -165,3 +165,10 @@ def test_pallas_backend_in_interpret_mode_matches_xla():
     g = np.load(FIXTURES / "qwen3" / "golden.npz")
     ids = list(map(int, g["input_ids"][1, : g["lengths"][1]]))
     np.testing.assert_allclose(pallas.logits([ids])[0], g["logits"][1, : len(ids)], atol=1e-4, rtol=0)
+
+
+def test_pallas_backend_refuses_shapes_it_cannot_tile():
+    with pytest.raises(ValueError, match="head_dim 8"):        # the llama fixture: head_dim 8
+        LLM(FIXTURES / "llama", dtype="float32", attention_backend="pallas")
+    with pytest.raises(ValueError, match="not one of xla, pallas"):
+        LLM(FIXTURES / "llama", dtype="float32", attention_backend="cuda")
