@@ -3,6 +3,7 @@
     python -m jaxinfer.bench                          # random-weight ~125M Llama (BENCH_100M), batch 1 and 8
     python -m jaxinfer.bench --mesh tp=2 --json       # one JSON object on stdout
     python -m jaxinfer.bench --model /ckpt/Llama-3.2-1B --batch 1 4 --prompt-len 512 --dtype bfloat16
+    python -m jaxinfer.bench --preset moe --mesh ep=4   # random-weight ~97M Mixtral (BENCH_MOE_100M), batch 8
 
 Why each number is what it is:
 - Timings come from Engine.stats (compilation excluded). Each batch size gets one warm-up generate with
@@ -21,11 +22,41 @@ Why each number is what it is:
 - OPENBLAS: this module sets no OPENBLAS_*/OMP_* variables (nor any other thread setting); numpy's copy
   does not use BLAS and changing them would change how numpy and XLA:CPU share the cores. Set them
   outside the process if wanted; the output then reflects that setting.
+
+Mixture-of-experts models (--preset moe, or any --model whose config has experts):
+- Batch: a batch of B sequences is spread over the dp x ep replicas (the rules table maps "batch" to
+  ("dp", "ep"); each request goes to the least loaded replica), so at ep=4 batch 8 is 2 sequences per
+  replica and batch 1 leaves 3 replicas idle, their rows pure padding. The default batch for an MoE
+  model is therefore max(8, dp x ep): every replica has work. (Dense default: 1 and 8.)
+- All-to-all, per phase (prefill = steps with a prompt chunk, decode = decode-only steps), from the
+  compiled collective report of the latest step of that phase in the measured run (the executable that
+  LLM.collective_report() shows): count and bytes per device per step, and
+      bytes per token per MoE layer = all-to-all bytes per device x devices / T / MoE layers,
+  T = the real tokens of that step: the tokens the schedulers put into it, summed over replicas (prompt
+  chunk tokens plus one per decoding sequence), i.e. exactly the tokens that are routed. Not the padded
+  R x N of the step's buckets: the buffers are sized by the padded shape, and that padding is cost of
+  this implementation, which the ratio below is meant to show, not hide (padded_tokens is reported too).
+  The run_* figures do the same over all steps of the phase in the measured run (sum of bytes / sum of T).
+- Analytical = top_k x hidden x dtype_bytes x 2 per token and MoE layer: each routed copy of a token
+  travels to its expert (dispatch) and back (combine), what a ragged all-to-all would move; the same per
+  token for prefill and decode. ratio = measured / analytical. moe.py sends fixed-shape buffers (no
+  ragged all-to-all on CPU): per device, dispatch ep*C*(E*b + 4) and combine ep*C*E*b bytes, C = r*N*k
+  (r rows of N padded tokens per device, k = top_k, E = hidden, b = dtype bytes; + 4 is the int32
+  expert id of each slot). Summed over the D = dp*ep*tp devices of a dp/ep/tp mesh (r = 1 there):
+      ratio = ep x tp x (padded_tokens / T) x (1 + 2 / (E*b))
+  i.e. about ep times the minimum (every rank reserves room for all of its assignments going to any one
+  rank), times tp (each tp rank sends the same tokens), times the bucket padding, plus 4 bytes per slot
+  for the expert id. At ep=1 the experts are local: no all-to-all, measured 0.
+- Expert load imbalance: max / mean tokens per expert, per MoE layer, over the measured run (the
+  difference of llm.engine.expert_load totals, read through ExpertLoad.report()); 1.0 is perfect balance.
+- MBU: W counts every expert's weights, since XLA:CPU lowers ragged_dot to a dense dot over all local
+  experts (and at batch 8, top-2 of 8 experts, most experts are hit each step anyway).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -35,9 +66,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from jaxinfer.mesh import MeshError, mesh_for_cli
+from jaxinfer.mesh import mesh_for_cli
 
 GB = 1e9
+PRESETS = {  # --preset: (name of the random checkpoint in the cache, name of the config in random_model)
+    "dense": ("bench-100m-random-llama", "BENCH_100M"),
+    "moe": ("bench-moe-100m-random-mixtral", "BENCH_MOE_100M"),
+}
+A2A_FORMULA = ("all-to-all bytes per token per MoE layer = all-to-all bytes per device * devices / real tokens of "
+               "the step / MoE layers; analytical = top_k*hidden*dtype_bytes*2 (dispatch + combine)")
 MBU_FORMULA = ("MBU = (W + K) * decode_steps / decode_seconds / bandwidth; W = parameter-shard bytes summed "
                "over devices; K = layers*batch*2*kv_heads*head_dim*dtype_bytes*(prompt_len + (decode_steps+1)/2)")
 
@@ -45,9 +82,12 @@ MBU_FORMULA = ("MBU = (W + K) * decode_steps / decode_seconds / bandwidth; W = p
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jaxinfer.bench", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: the random-weight "
-                   "~125M Llama BENCH_100M that jaxinfer writes into its cache directory)")
-    p.add_argument("--mesh", default="", help='e.g. "tp=2" or "dp=2,tp=4" (default: one device)')
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch sizes to measure")
+                   "model of --preset, which jaxinfer writes into its cache directory)")
+    p.add_argument("--preset", default="dense", choices=list(PRESETS), help="random-weight model when --model is "
+                   "not given: dense = ~125M Llama BENCH_100M, moe = ~97M Mixtral BENCH_MOE_100M (8 experts, top-2)")
+    p.add_argument("--mesh", default="", help='e.g. "tp=2", "dp=2,tp=4" or "ep=4" (default: one device)')
+    p.add_argument("--batch", type=int, nargs="+", default=None, help="batch sizes to measure, each spread over "
+                   "the dp x ep replicas (default: 1 8; for an MoE model max(8, dp x ep), so every replica has work)")
     p.add_argument("--prompt-len", type=int, default=128, help="synthetic prompt tokens per sequence")
     p.add_argument("--max-tokens", type=int, default=32, help="generated tokens per sequence")
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
@@ -99,7 +139,9 @@ def bench_batch(llm, batch: int, prompt_len: int, max_tokens: int, seed: int, ba
     llm.generate(warmup, params)  # other tokens than the measured prompts: no prefix-cache hits
     before = llm.engine.stats.copy()
     compile_seconds = before.compile_seconds
-    llm.generate(prompts, params)
+    load_before = llm.engine.expert_load.total
+    with step_log(llm.engine) as steps:
+        llm.generate(prompts, params)
     s = llm.engine.stats - before
     avg_context = prompt_len + (s.decode_steps + 1) / 2
     w, k = weight_bytes_read(llm), kv_bytes_read(llm, batch, avg_context)
@@ -117,7 +159,72 @@ def bench_batch(llm, batch: int, prompt_len: int, max_tokens: int, seed: int, ba
         "decode_bandwidth_gbps": (w + k) * steps_per_s / GB,
         "mbu": (w + k) * steps_per_s / GB / bandwidth,
         "collectives": report,
+        "moe": moe_figures(llm, steps, load_before) if llm.config.num_experts else None,
     }
+
+
+@contextlib.contextmanager
+def step_log(engine):
+    """Every device step run while active: its phase, executable, real tokens (summed over replicas) and
+    padded tokens (R x N of its buckets). Wraps `run` on this engine instance only, restored on exit."""
+    steps, run = [], engine.run
+
+    def logged(step, batch, phase=None):
+        out = run(step, batch, phase)
+        name = phase or step
+        steps.append({"phase": name, "executable": engine.last[name],
+                      "tokens": int(np.asarray(batch.meta.query_start)[:, -1].sum()),
+                      "padded_tokens": math.prod(np.shape(batch.tokens))})
+        return out
+
+    engine.run = logged
+    try:
+        yield steps
+    finally:
+        del engine.run
+
+
+def all_to_all(llm, steps: list[dict], phase: str) -> dict | None:
+    """All-to-all traffic of one phase: the latest step (as LLM.collective_report) and the whole run."""
+    from jaxinfer.collectives import collective_report
+
+    mine = [x for x in steps if x["phase"] == phase]
+    if not mine:
+        return None
+    cfg, reports = llm.config, {}
+
+    def a2a(step: dict) -> dict:
+        exe = step["executable"]
+        if id(exe) not in reports:
+            reports[id(exe)] = collective_report(exe.as_text())["all-to-all"]
+        return reports[id(exe)]
+
+    devices, layers = llm.mesh_config.size, len(cfg.moe_layers)
+    itemsize = np.dtype(llm.dtype).itemsize
+    analytical = cfg.experts_per_token * cfg.hidden_size * itemsize * 2
+    last = mine[-1]
+    per_token = a2a(last)["bytes"] * devices / last["tokens"] / layers
+    run_tokens = sum(x["tokens"] for x in mine)
+    run_per_token = sum(a2a(x)["bytes"] for x in mine) * devices / run_tokens / layers
+    return {"count": a2a(last)["count"], "bytes_per_device": a2a(last)["bytes"], "devices": devices,
+            "tokens": last["tokens"], "padded_tokens": last["padded_tokens"],
+            "bytes_per_token_per_layer": per_token, "analytical_bytes_per_token_per_layer": analytical,
+            "ratio": per_token / analytical, "run_steps": len(mine), "run_tokens": run_tokens,
+            "run_padded_tokens": sum(x["padded_tokens"] for x in mine),
+            "run_bytes_per_token_per_layer": run_per_token, "run_ratio": run_per_token / analytical}
+
+
+def moe_figures(llm, steps: list[dict], load_before: np.ndarray | None) -> dict:
+    """All-to-all per phase and the expert load of the measured run (see the module docstring)."""
+    from jaxinfer.engine import ExpertLoad
+
+    total = llm.engine.expert_load.total
+    run_load = ExpertLoad()
+    run_load.record(total - load_before if load_before is not None else total)
+    load = run_load.report()["total"]
+    return {"all_to_all": {phase: all_to_all(llm, steps, phase) for phase in ("prefill", "decode")},
+            "tokens_per_expert": load["tokens_per_expert"], "imbalance": load["imbalance"],
+            "imbalance_max": max(load["imbalance"]), "imbalance_mean": float(np.mean(load["imbalance"]))}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -125,17 +232,24 @@ def run(args: argparse.Namespace) -> dict:
     import jax
     import jax.numpy as jnp
 
+    from jaxinfer import random_model
     from jaxinfer.llm import LLM
-    from jaxinfer.random_model import BENCH_100M, ensure
 
     random_weights = args.model is None
-    path = ensure("bench-100m-random-llama", BENCH_100M) if random_weights else args.model
+    cache_name, config_name = PRESETS[args.preset]
+    path = random_model.ensure(cache_name, getattr(random_model, config_name)) if random_weights else args.model
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     llm = LLM(path, mesh=args.mesh, dtype=dtype)
+    cfg = llm.config
+    batches = args.batch or ([max(8, len(llm.engine.replicas))] if cfg.num_experts else [1, 8])
     bandwidth = memory_bandwidth(args.bandwidth_mib)
-    results = [bench_batch(llm, b, args.prompt_len, args.max_tokens, args.seed, bandwidth) for b in args.batch]
+    results = [bench_batch(llm, b, args.prompt_len, args.max_tokens, args.seed, bandwidth) for b in batches]
+    moe = {"num_experts": cfg.num_experts, "experts_per_token": cfg.experts_per_token,
+           "expert_width": cfg.moe_intermediate_size, "moe_layers": len(cfg.moe_layers),
+           "replicas": len(llm.engine.replicas), "formula": A2A_FORMULA} if cfg.num_experts else None
     return {
-        "model": str(llm.path), "label": "BENCH_100M (random weights)" if random_weights else str(llm.path),
+        "model": str(llm.path), "label": f"{config_name} (random weights)" if random_weights else str(llm.path),
+        "preset": args.preset if random_weights else None,
         "random_weights": random_weights, "architecture": llm.config.architecture,
         "num_params": llm.config.num_params(), "dtype": jnp.dtype(llm.dtype).name,
         "mesh": {a: getattr(llm.mesh_config, a) for a in ("dp", "pp", "tp", "ep", "sp")},
@@ -143,7 +257,7 @@ def run(args: argparse.Namespace) -> dict:
         "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
         "memory_bandwidth_gbps": bandwidth, "bandwidth_note": "host numpy copy, read+write bytes, best of runs; "
         "on CPU all fake devices share this memory", "mbu_formula": MBU_FORMULA,
-        "weight_bytes_per_step": weight_bytes_read(llm), "results": results,
+        "weight_bytes_per_step": weight_bytes_read(llm), "moe": moe, "results": results,
     }
 
 
@@ -165,23 +279,49 @@ def readable(r: dict) -> str:
         ar = x["collectives"].get("decode", {}).get("all-reduce", {"count": 0, "bytes": 0})
         lines.append(f"batch {x['batch']}: decode step all-reduce {ar['count']} x, {ar['bytes']:,} bytes per device")
     lines.append(r["mbu_formula"])
+    if r.get("moe"):
+        lines += moe_lines(r)
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def moe_lines(r: dict) -> list[str]:
+    """The MoE part of the table: all-to-all per step and per token, expert load imbalance."""
+    m = r["moe"]
+    lines = [f"moe       {m['num_experts']} experts, top-{m['experts_per_token']}, expert width {m['expert_width']}, "
+             f"{m['moe_layers']} MoE layers; batch spread over {m['replicas']} replica(s) (dp x ep)",
+             f"{'batch':>5} {'phase':<7} {'a2a/step':>8} {'bytes/device':>13} {'tokens/padded':>13} "
+             f"{'B/token/layer':>13} {'analytical':>10} {'ratio':>6} {'run ratio':>9}"]
+    for x in r["results"]:
+        for phase, a in x["moe"]["all_to_all"].items():
+            if a is None:
+                continue
+            lines.append(f"{x['batch']:>5} {phase:<7} {a['count']:>8} {a['bytes_per_device']:>13,} "
+                         f"{str(a['tokens']) + '/' + str(a['padded_tokens']):>13} "
+                         f"{a['bytes_per_token_per_layer']:>13,.1f} {a['analytical_bytes_per_token_per_layer']:>10,} "
+                         f"{a['ratio']:>6.3f} {a['run_ratio']:>9.3f}")
+    for x in r["results"]:
+        imb = x["moe"]["imbalance"]
+        lines.append(f"batch {x['batch']}: expert load imbalance (max/mean per layer) "
+                     f"{' '.join(f'{v:.2f}' for v in imb)} (max {max(imb):.2f})")
+    lines.append(m["formula"] + "; ratio ~ ep*tp*(padded/real tokens)*(1+2/(hidden*dtype_bytes))")
+    return lines
+
+
+def cli(args: argparse.Namespace, run_fn, render) -> int:
+    """A benchmark's command line: fake devices for --mesh before JAX starts, errors as exit code 2,
+    then one JSON object (--json) or the readable table."""
     try:
         mesh_for_cli(args.mesh)
-    except MeshError as e:
+        result = run_fn(args)
+    except (ValueError, OSError) as e:  # MeshError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
-    try:
-        result = run(args)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(result) if args.json else readable(result))
+    print(json.dumps(result) if args.json else render(result))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli(parse_args(argv), run, readable)
 
 
 if __name__ == "__main__":

@@ -34,14 +34,13 @@ Figures (measured pass only; percentiles are numpy's linear interpolation):
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
 
 import numpy as np
 
-from jaxinfer.mesh import MeshError, mesh_for_cli
+from jaxinfer.bench import cli
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -212,19 +211,7 @@ def readable(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        mesh_for_cli(args.mesh)
-    except MeshError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        result = run(args)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(result) if args.json else readable(result))
-    return 0
+    return cli(parse_args(argv), run, readable)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,13 @@ BENCH_100M = {**DEFAULT, "hidden_size": 768, "intermediate_size": 2048, "num_hid
               "num_attention_heads": 12, "num_key_value_heads": 4, "vocab_size": 32000,
               "max_position_embeddings": 2048}
 
+# The MoE benchmark's Mixtral-style model: ModelConfig.from_dict(BENCH_MOE_100M).num_params() == 96,631,296
+# (~96.6M total; ~40.0M active per token: 2 of the 8 experts). intermediate_size is the expert width.
+BENCH_MOE_100M = {**DEFAULT, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 16000,
+                  "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 8,
+                  "num_key_value_heads": 4, "num_local_experts": 8, "num_experts_per_tok": 2,
+                  "max_position_embeddings": 2048, "tie_word_embeddings": False}
+
 
 def cache_dir() -> Path:
     return Path(os.environ.get("JAXINFER_CACHE", Path.home() / ".cache" / "jaxinfer"))

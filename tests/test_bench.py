@@ -41,3 +41,46 @@ def test_bench_json_counts(tmp_path, capsys):
             assert x[key] > 0 and math.isfinite(x[key]), key
         assert x["collectives"]["decode"]["all-reduce"]["count"] > 0  # tp=2: Megatron all-reduces per layer
     assert "all-reduce" in bench.readable(r)
+
+
+TINY_MOE = {**DEFAULT, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 64,
+            "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_local_experts": 4, "num_experts_per_tok": 2}
+
+
+def test_bench_moe_all_to_all_and_expert_load(tmp_path, capsys):
+    path = write_random_checkpoint(tmp_path / "tiny-moe", TINY_MOE)
+    argv = ["--model", str(path), "--preset", "moe", "--mesh", "ep=2", "--batch", "2", "--prompt-len", "8",
+            "--max-tokens", "3", "--dtype", "float32", "--bandwidth-mib", "32", "--json"]
+    assert bench.main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+
+    cfg = ModelConfig.from_dict(TINY_MOE)
+    assert cfg.vocab_size == 264 and cfg.num_experts == 4 and cfg.moe_intermediate_size == 32
+    L, E, k, f32, ep = cfg.num_layers, cfg.hidden_size, cfg.experts_per_token, 4, 2
+    assert r["moe"]["moe_layers"] == L and r["moe"]["replicas"] == ep and r["devices"] == ep
+    [x] = r["results"]
+    assert x["batch"] == 2
+    # Batch 2 over the 2 ep replicas: one sequence each, one row per device. Token bucket N per replica: the
+    # 8-token prompt in one prefill step (N = 8, a power of two), then 1 token per decode step (N = 1).
+    # moe.py per device and MoE layer: dispatch ep*C*(E*b + 4), combine ep*C*E*b, C = N*k.
+    a2a = x["moe"]["all_to_all"]
+    for phase, n in (("prefill", 8), ("decode", 1)):
+        a, C = a2a[phase], n * k
+        expected = L * (ep * C * (E * f32 + 4) + ep * C * E * f32)
+        assert a["count"] == 2 * L, phase
+        assert a["bytes_per_device"] == expected == x["collectives"][phase]["all-to-all"]["bytes"], phase
+        assert a["tokens"] == a["padded_tokens"] == ep * n, phase     # no bucket padding here
+        assert a["bytes_per_token_per_layer"] == expected * ep / (ep * n) / L, phase
+        assert a["analytical_bytes_per_token_per_layer"] == k * E * f32 * 2
+        assert math.isclose(a["ratio"], ep * (1 + 2 / (E * f32))), phase   # 4 id bytes per slot
+        assert math.isclose(a["run_ratio"], a["ratio"]), phase              # every step of a phase alike
+    assert a2a["decode"]["run_steps"] == 3 - 1 and a2a["prefill"]["run_steps"] == 1
+
+    load = x["moe"]
+    assert len(load["imbalance"]) == L and all(v >= 1 for v in load["imbalance"])
+    assert load["imbalance_max"] >= 1 and load["imbalance_mean"] >= 1
+    routed = x["prefill_tokens"] + x["decode_tokens"]   # every token a step computed, each sent to k experts
+    assert [sum(layer) for layer in load["tokens_per_expert"]] == [routed * k] * L
+    text = bench.readable(r)
+    assert "all-to-all" in text and "imbalance" in text
