@@ -120,7 +120,7 @@ class Engine:
         self.backend = choose_backend(attention_backend, device.platform, cfg.head_dim, page_size)
         self.max_tokens = bucket(max_tokens_per_step, 16)
         self.max_seqs = max_num_seqs
-        dp, tp = layout.axis_size("batch"), layout.mesh.shape["tp"]   # replicas: dp x ep
+        replicas, tp = layout.axis_size("batch"), layout.mesh.shape["tp"]   # dp x ep replicas
         per_page = page_bytes(cfg.num_layers, kv_heads // tp, page_size, cfg.head_dim, dtype)
         if num_pages is None:
             num_pages = pages_from_budget(device, device_bytes(params, device), per_page, memory_fraction)
@@ -129,10 +129,10 @@ class Engine:
         if num_pages < 1:
             raise ValueError(f"no room for KV pages: {num_pages} pages of {per_page} bytes per device")
         self.pages_per_replica = num_pages
-        self.cache = PagedKVCache.zeros(cfg.num_layers, kv_heads, dp * num_pages, page_size, cfg.head_dim, dtype,
-                                        layout)
+        self.cache = PagedKVCache.zeros(cfg.num_layers, kv_heads, replicas * num_pages, page_size, cfg.head_dim,
+                                        dtype, layout)
         self.replicas = [Replica(PagePool(num_pages, page_size, prefix_caching), max_num_seqs, self.max_tokens)
-                         for _ in range(dp)]
+                         for _ in range(replicas)]
         self.requests: dict[str, tuple[Request, Replica]] = {}
         self.stats = EngineStats()
         self.expert_load = ExpertLoad()
