@@ -24,6 +24,7 @@ from flax import struct
 
 from jaxinfer.attention import StepMetadata, choose_backend
 from jaxinfer.config import ModelConfig
+from jaxinfer.distributed import shared_seed, to_host
 from jaxinfer.kv_cache import PagedKVCache, page_bytes, pages_from_budget
 from jaxinfer.page_pool import PagePool
 from jaxinfer.sampling import SamplingArrays, SamplingParams, sample
@@ -100,6 +101,12 @@ class StepBatch:
     meta: StepMetadata
 
 
+def _global_array(x: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Array | np.ndarray:
+    """A host array (identical on every process) placed as the compiled step expects it; an input the
+    step does not use (no sharding: the scoring step samples nothing) is passed as it is."""
+    return x if sharding is None else jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
 def bucket(n: int, minimum: int = 1, multiple: int = 1) -> int:
     size = max(minimum, 1 << (max(n, 1) - 1).bit_length())
     return -(-size // multiple) * multiple
@@ -114,7 +121,7 @@ class Engine:
                  prefix_caching: bool = True, attention_backend: str | None = None):
         self.model, self.cfg, self.layout, self.params = model, cfg, layout, params
         self.dtype, self.kv_heads, self.tokenizer = dtype, kv_heads, tokenizer
-        device = layout.mesh.devices.flat[0]
+        device = next(d for d in layout.mesh.devices.flat if d.process_index == jax.process_index())  # one of ours
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size={page_size} must be a power of two")
         self.backend = choose_backend(attention_backend, device.platform, cfg.head_dim, page_size)
@@ -141,6 +148,7 @@ class Engine:
         self._jitted = {"step": jax.jit(self._step, donate_argnums=(1,)),
                         "score": jax.jit(self._score, donate_argnums=(1,))}
         self._ids = itertools.count()
+        self._seeds = np.random.default_rng(shared_seed())  # unseeded requests: same draws on every host
 
     # ---- device ------------------------------------------------------------------------------
     def _hidden(self, params, cache, batch: StepBatch):
@@ -172,9 +180,10 @@ class Engine:
             t0 = time.perf_counter()
             self.executables[key] = self._jitted[step].lower(self.params, self.cache, batch).compile()
             self.stats.compile_seconds += time.perf_counter() - t0
-        self.last[phase or step] = self.executables[key]
-        out, self.cache = self.executables[key](self.params, self.cache, batch)
-        return jax.tree.map(np.asarray, out)
+        exe = self.last[phase or step] = self.executables[key]
+        batch = jax.tree.map(_global_array, batch, exe.input_shardings[0][2])  # the same on every host
+        out, self.cache = exe(self.params, self.cache, batch)
+        return jax.tree.map(to_host, out)
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
@@ -185,7 +194,7 @@ class Engine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         capacity = self.pages_per_replica * self.replicas[0].pool.page_size
-        seed = params.seed if params.seed is not None else int(np.random.randint(2**31))
+        seed = params.seed if params.seed is not None else int(self._seeds.integers(2**31))
         eos = frozenset() if params.ignore_eos else frozenset(self.cfg.eos_token_ids)
         detok = (IncrementalDetokenizer(self.tokenizer, prompt, params.stop, params.include_stop_str_in_output)
                  if self.tokenizer is not None else None)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from absl import logging
 
-from jaxinfer.mesh import MeshError, mesh_for_cli
+from jaxinfer.mesh import mesh_for_cli
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,14 +43,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--report-collectives", action="store_true",
                    help="print the collectives of the compiled prefill and decode steps")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    multi = p.add_argument_group("multi-host (every process runs this same command; see launch/)")
+    multi.add_argument("--coordinator", default=None, help="host:port of process 0 (env JAXINFER_COORDINATOR)")
+    multi.add_argument("--num-processes", type=int, default=None, help="env JAXINFER_NUM_PROCESSES (default 1)")
+    multi.add_argument("--process-id", type=int, default=None, help="env JAXINFER_PROCESS_ID")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    processes = args.num_processes or int(os.environ.get("JAXINFER_NUM_PROCESSES", "1"))
     try:
-        mesh = mesh_for_cli(args.mesh)
-    except MeshError as e:
+        mesh = mesh_for_cli(args.mesh, processes)
+        from jaxinfer.distributed import initialize
+
+        initialize(args.coordinator, args.num_processes, args.process_id)
+    except ValueError as e:  # MeshError too
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -81,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     result = summary(llm, out, random_weights)
     if args.report_collectives or args.json:
         result["collectives"] = llm.collective_report()
+    if jax.process_index() != 0:  # every process computed the same; one speaks
+        return 0
     if args.json:
         print(json.dumps(result))
         return 0

@@ -105,10 +105,12 @@ class MeshConfig:
                              axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
 
 
-def mesh_for_cli(spec: str) -> MeshConfig:
-    """Parse a --mesh flag and, before JAX starts, ask XLA for the CPU devices it needs."""
+def mesh_for_cli(spec: str, processes: int = 1) -> MeshConfig:
+    """Parse a --mesh flag and, before JAX starts, ask XLA for the CPU devices this process needs."""
     mesh = MeshConfig.parse(spec)
-    provide_host_devices(mesh.size)
+    if mesh.size % processes:
+        raise MeshError(f"mesh {mesh} has {mesh.size} devices, which {processes} processes cannot share evenly")
+    provide_host_devices(mesh.size // processes)
     return mesh
 
 

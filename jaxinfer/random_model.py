@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -76,7 +77,16 @@ def ensure(name: str, config: dict) -> Path:
     path = cache_dir() / name
     stamp = path / "config.json"
     if not stamp.is_file() or json.loads(stamp.read_text()) != config:
-        write_random_checkpoint(path, config)
+        # written aside and renamed into place: processes of one job may race to write it
+        tmp = write_random_checkpoint(path.with_name(f".{name}.{os.getpid()}"), config)
+        if stamp.is_file() and json.loads(stamp.read_text()) == config:  # another process was first
+            shutil.rmtree(tmp, ignore_errors=True)
+            return path
+        shutil.rmtree(path, ignore_errors=True)                            # a stale copy
+        try:
+            tmp.rename(path)
+        except OSError:  # another process renamed its copy first
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
