@@ -44,6 +44,7 @@ class ParamSpec:
     perm: tuple[int, ...] | None = None
     repeat: tuple[int, int] = (0, 1)
     layer_ids: tuple[int, ...] | None = None
+    pad: tuple[int, int] | None = None  # (axis, size on disk): our axis is longer, the rest reads as zeros
 
     @property
     def stack_depth(self) -> int:
@@ -62,6 +63,8 @@ class ParamSpec:
             return self.view
         shape = list(self.layer_shape)
         shape[self.repeat[0]] //= self.repeat[1]
+        if self.pad is not None:
+            shape[self.pad[0]] = self.pad[1]
         perm = self.perm or tuple(range(len(shape)))
         return tuple((shape[perm.index(j)],) for j in range(len(shape)))
 
@@ -170,6 +173,8 @@ class Checkpoint:
         return np.stack(parts).reshape(*map(len, ranges), *parts[0].shape)
 
     def _read_one(self, spec: ParamSpec, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        if spec.pad is not None:
+            return self._read_padded(spec, name, index)
         shape = spec.layer_shape
         ours = [s.indices(n)[:2] for s, n in zip(index, shape, strict=True)]
         axis, r = spec.repeat
@@ -197,6 +202,20 @@ class Checkpoint:
             start = lo - ours[axis][0] * r
             data = np.take(data, range(start, start + hi - lo), axis=axis)
         return data
+
+
+    def _read_padded(self, spec: ParamSpec, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """Rows past the size on disk (a vocabulary padded to a multiple of tp) are zeros."""
+        axis, real = spec.pad
+        shape = spec.layer_shape
+        start, stop = index[axis].indices(shape[axis])[:2]
+        on_disk = dataclasses.replace(spec, shape=(*spec.shape[: spec.stack_depth], *shape[:axis], real,
+                                                   *shape[axis + 1:]), pad=None)
+        inside = slice(min(start, real), min(stop, real))
+        data = self._read_one(on_disk, name, (*index[:axis], inside, *index[axis + 1:]))
+        widths = [(0, 0)] * data.ndim
+        widths[axis] = (0, (stop - start) - data.shape[axis])
+        return np.pad(data, widths)
 
 
 def load_params(ckpt: Checkpoint, specs: dict[str, ParamSpec], sharding_of: Callable, dtype) -> dict[str, jax.Array]:

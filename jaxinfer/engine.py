@@ -157,7 +157,7 @@ class Engine:
     def _step(self, params, cache, batch: StepBatch):
         h, cache, aux = self._hidden(params, cache, batch)
         last = jnp.take_along_axis(h, batch.logits_index[..., None], axis=1)        # per-row gather
-        logits = self.model.lm_head(params, last)                                    # [R, S, V]
+        logits = self._real_vocab(self.model.lm_head(params, last))                 # [R, S, V]
         R, S, V = logits.shape
         logits = self.layout.constrain(logits, ("batch", None, "vocab"))  # pinned: gather logits, not weights
         logits = self.layout.constrain(logits, ("batch", None, None)).reshape(R * S, V)
@@ -166,7 +166,14 @@ class Engine:
     def _score(self, params, cache, batch: StepBatch):
         h, cache, _ = self._hidden(params, cache, batch)
         logits = self.layout.constrain(self.model.lm_head(params, h), ("batch", "seq", "vocab"))
-        return self.layout.constrain(logits, ("batch", "seq", None)), cache
+        return self.layout.constrain(logits, ("batch", "seq", None))[..., : self.cfg.vocab_size], cache
+
+    def _real_vocab(self, logits: jax.Array) -> jax.Array:
+        """Rows added to pad the vocabulary to a multiple of tp can never be sampled."""
+        padded = logits.shape[-1]
+        if padded == self.cfg.vocab_size:
+            return logits
+        return jnp.where(jnp.arange(padded) < self.cfg.vocab_size, logits, -jnp.inf)
 
     @property
     def compilations(self) -> int:

@@ -57,7 +57,7 @@ class LLM:
         self.layout = Layout(self.mesh_config.make())
         repeat = kv_head_repeat(self.config, self.mesh_config.tp)
         arch = model_for(self.config)
-        specs = arch.param_specs(self.config, repeat)
+        specs = arch.param_specs(self.config, repeat, vocab_multiple=self.mesh_config.tp)
         params = load_params(checkpoint, specs, self.layout.sharding, self.dtype)
         self.engine = Engine(arch, self.config, self.layout, params, self.dtype, self.config.num_kv_heads * repeat,
                              tokenizer=self.tokenizer, page_size=page_size, num_pages=num_pages,

@@ -79,9 +79,6 @@ def validate(cfg: ModelConfig, mesh: MeshConfig) -> None:
                         f"(KV heads are split when tp divides them and replicated when they divide tp)")
     if cfg.mlp_layers and cfg.intermediate_size % tp:
         raise MeshError(f"tp={tp} does not divide the MLP width {cfg.intermediate_size}")
-    if cfg.vocab_size % tp:
-        raise MeshError(f"tp={tp} does not divide the vocabulary of {cfg.vocab_size} tokens "
-                        f"(vocabulary-parallel LM head); use a tp that divides {cfg.vocab_size}")
     if cfg.num_experts:
         if cfg.num_experts % mesh.ep:
             raise MeshError(f"ep={mesh.ep} does not divide the model's {cfg.num_experts} experts; "

@@ -21,18 +21,21 @@ from jaxinfer.sharding import Layout
 LAYER = "model.layers.{layer}."
 
 
-def param_specs(cfg: ModelConfig, kv_repeat: int = 1) -> dict[str, ParamSpec]:
-    """Our layout of every weight, its logical axes, and where it lives in a Hugging Face checkpoint."""
+def param_specs(cfg: ModelConfig, kv_repeat: int = 1, vocab_multiple: int = 1) -> dict[str, ParamSpec]:
+    """Our layout of every weight, its logical axes, and where it lives in a Hugging Face checkpoint.
+    The vocabulary is padded with zero rows to a multiple of `vocab_multiple` (tp) so that it splits evenly."""
     E, M, H, KV, D, L, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                             cfg.head_dim, cfg.num_layers, cfg.vocab_size)
+    Vp = -(-V // vocab_multiple) * vocab_multiple
+    vocab_pad = (0, V) if Vp != V else None
     KVr = KV * kv_repeat
     attn = LAYER + "self_attn."
     specs = {
-        "embed": ParamSpec((V, E), ("vocab", "embed"), "model.embed_tokens.weight"),
+        "embed": ParamSpec((Vp, E), ("vocab", "embed"), "model.embed_tokens.weight", pad=vocab_pad),
         "final_norm": ParamSpec((E,), ("embed",), "model.norm.weight"),
-        "lm_head": ParamSpec((E, V), ("embed", "vocab"),
+        "lm_head": ParamSpec((E, Vp), ("embed", "vocab"),
                              "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight",
-                             perm=(1, 0)),
+                             perm=(1, 0), pad=vocab_pad and (1, V)),
         "attn_norm": ParamSpec((L, E), ("layers", "embed"), LAYER + "input_layernorm.weight"),
         "mlp_norm": ParamSpec((L, E), ("layers", "embed"), LAYER + "post_attention_layernorm.weight"),
         "wq": ParamSpec((L, E, H, D), ("layers", "embed", "heads", "head_dim"), attn + "q_proj.weight",

@@ -61,3 +61,20 @@ def test_mistral_is_the_llama_block(tmp_path):
     assert llm.config.architecture == "MistralForCausalLM"
     for i, logits in enumerate(llm.logits(prompts)):
         np.testing.assert_allclose(logits, ref_logits[i, : len(prompts[i])], atol=TOL, rtol=0)
+
+
+def test_vocabulary_not_divisible_by_tp_is_padded(tmp_path):
+    """A 270-token vocabulary at tp=4 is padded to 272 zero rows; outputs equal a single device's."""
+    from jaxinfer.random_model import DEFAULT, write_random_checkpoint
+
+    path = write_random_checkpoint(tmp_path / "odd", {**DEFAULT, "vocab_size": 270, "num_hidden_layers": 2})
+    single, sharded = LLM(path, dtype="float32"), LLM(path, mesh="tp=4", dtype="float32")
+    assert sharded.engine.params["lm_head"].shape[-1] == 272
+    ids = [[1, 5, 9, 269, 100], [1, 2]]
+    for a, b in zip(single.logits(ids), sharded.logits(ids), strict=True):
+        assert a.shape == b.shape == (a.shape[0], 270)
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=1.5, seed=3, ignore_eos=True)]
+    for a, b in zip(single.generate(ids, params), sharded.generate(ids, params), strict=True):
+        assert a.token_ids == b.token_ids and max(b.token_ids) < 270
