@@ -176,6 +176,11 @@ class Engine:
         return jnp.where(jnp.arange(padded) < self.cfg.vocab_size, logits, -jnp.inf)
 
     @property
+    def capacity(self) -> int:
+        """Tokens one replica's page pool holds."""
+        return self.pages_per_replica * self.replicas[0].pool.page_size
+
+    @property
     def compilations(self) -> int:
         return len(self.executables)
 
@@ -200,12 +205,11 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        capacity = self.pages_per_replica * self.replicas[0].pool.page_size
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**31))
         eos = frozenset() if params.ignore_eos else frozenset(self.cfg.eos_token_ids)
         detok = (IncrementalDetokenizer(self.tokenizer, prompt, params.stop, params.include_stop_str_in_output)
                  if self.tokenizer is not None else None)
-        budget = min(params.max_tokens, self.cfg.context_length - len(prompt), capacity - len(prompt))
+        budget = min(params.max_tokens, self.cfg.context_length - len(prompt), self.capacity - len(prompt))
         r = Request(request_id, list(prompt), params, seed, budget, eos | set(params.stop_token_ids), detok, on_token)
         replica = min(self.replicas, key=len)
         replica.waiting.append(r)
@@ -214,14 +218,13 @@ class Engine:
 
     def check_prompt(self, ids: list[int]) -> None:
         limit = self.cfg.context_length
-        capacity = self.pages_per_replica * self.replicas[0].pool.page_size
         if not ids:
             raise RequestError("empty prompt: give at least one token")
         if len(ids) >= limit:
             raise RequestError(f"prompt of {len(ids)} tokens does not fit the context limit of {limit} tokens "
                                f"(it needs at least one free position to generate); shorten it")
-        if len(ids) >= capacity:
-            raise RequestError(f"prompt of {len(ids)} tokens does not fit the KV page pool of {capacity} tokens "
+        if len(ids) >= self.capacity:
+            raise RequestError(f"prompt of {len(ids)} tokens does not fit the KV page pool of {self.capacity} tokens "
                                f"per replica; shorten it or give the cache more pages (num_pages)")
         bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
         if bad:

@@ -29,17 +29,6 @@ class PagedKVCache:
         make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=layout.sharding(POOL_AXES))
         return cls(k=make(), v=make())
 
-    @property
-    def page_size(self) -> int:
-        return self.k.shape[3]
-
-    @property
-    def num_pages(self) -> int:
-        return self.k.shape[2]
-
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
 
 def page_bytes(layers: int, kv_heads: int, page_size: int, head_dim: int, dtype) -> int:
     """Bytes of one page of K and V across all layers and (replicated) KV heads."""
