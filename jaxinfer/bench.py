@@ -66,6 +66,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from jaxinfer.config import EngineConfig
 from jaxinfer.mesh import mesh_for_cli
 
 GB = 1e9
@@ -95,6 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
     p.add_argument("--bandwidth-mib", type=int, default=256, help="buffer size of the bandwidth copy")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    EngineConfig.add_cli_args(p)
     return p.parse_args(argv)
 
 
@@ -117,7 +119,7 @@ def weight_bytes_read(llm) -> int:
     """W: bytes of every parameter shard on every device (a replicated weight counts once per copy)."""
     from jaxinfer.sharding import device_bytes
 
-    return sum(device_bytes(llm.engine.params, d) for d in llm.layout.mesh.devices.flat)
+    return sum(device_bytes(llm.weights, d) for d in llm.layout.mesh.devices.flat)
 
 
 def kv_bytes_read(llm, batch: int, avg_context: float) -> float:
@@ -167,21 +169,22 @@ def bench_batch(llm, batch: int, prompt_len: int, max_tokens: int, seed: int, ba
 def step_log(engine):
     """Every device step run while active: its phase, executable, real tokens (summed over replicas) and
     padded tokens (R x N of its buckets). Wraps `run` on this engine instance only, restored on exit."""
-    steps, run = [], engine.run
+    runner = engine.runner
+    steps, run = [], runner.run
 
     def logged(step, batch, phase=None):
         out = run(step, batch, phase)
         name = phase or step
-        steps.append({"phase": name, "executable": engine.last[name],
+        steps.append({"phase": name, "executable": runner.last[name],
                       "tokens": int(np.asarray(batch.meta.query_start)[:, -1].sum()),
                       "padded_tokens": math.prod(np.shape(batch.tokens))})
         return out
 
-    engine.run = logged
+    runner.run = logged
     try:
         yield steps
     finally:
-        del engine.run
+        del runner.run
 
 
 def all_to_all(llm, steps: list[dict], phase: str) -> dict | None:
@@ -239,14 +242,14 @@ def run(args: argparse.Namespace) -> dict:
     cache_name, config_name = PRESETS[args.preset]
     path = random_model.ensure(cache_name, getattr(random_model, config_name)) if random_weights else args.model
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-    llm = LLM(path, mesh=args.mesh, dtype=dtype)
+    llm = LLM(path, mesh=args.mesh, dtype=dtype, engine_config=EngineConfig.from_cli_args(args))
     cfg = llm.config
-    batches = args.batch or ([max(8, len(llm.engine.replicas))] if cfg.num_experts else [1, 8])
+    batches = args.batch or ([max(8, len(llm.engine.schedulers))] if cfg.num_experts else [1, 8])
     bandwidth = memory_bandwidth(args.bandwidth_mib)
     results = [bench_batch(llm, b, args.prompt_len, args.max_tokens, args.seed, bandwidth) for b in batches]
     moe = {"num_experts": cfg.num_experts, "experts_per_token": cfg.experts_per_token,
            "expert_width": cfg.moe_intermediate_size, "moe_layers": len(cfg.moe_layers),
-           "replicas": len(llm.engine.replicas), "formula": A2A_FORMULA} if cfg.num_experts else None
+           "replicas": len(llm.engine.schedulers), "formula": A2A_FORMULA} if cfg.num_experts else None
     return {
         "model": str(llm.path), "label": f"{config_name} (random weights)" if random_weights else str(llm.path),
         "preset": args.preset if random_weights else None,

@@ -29,6 +29,8 @@ Figures (measured pass only; percentiles are numpy's linear interpolation):
   engine reserving the maximum length per sequence would use. paged_over_contiguous = mean paged / mean
   contiguous: how many more requests the same KV memory holds paged. peak_pages_in_use vs pool_pages (all
   replicas; cached pages no running request references are not in use).
+- page_hash_us: host time to key one full page for the prefix cache (chained SHA-256 over 16-token pages
+  of a 4,096-token prompt, best of 5), the price of collision-resistant keys.
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ import argparse
 import math
 import sys
 import time
+import timeit
 
 import numpy as np
 
 from jaxinfer.bench import cli
+from jaxinfer.config import EngineConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,13 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Poisson arrivals per second of wall time (default inf: all arrive at t=0)")
     p.add_argument("--prompt-len-range", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
     p.add_argument("--output-len-range", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-pages", type=int, default=None, help="KV pages per dp replica (default: the engine's)")
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-tokens-per-step", type=int, default=256)
-    p.add_argument("--attention-backend", default=None, choices=["xla", "pallas"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    EngineConfig.add_cli_args(p)
     return p.parse_args(argv)
 
 
@@ -84,7 +84,7 @@ def serve(engine, work: list[tuple[float, list[int], int]]) -> dict:
 
     pending, requests, samples = list(reversed(work)), [], []
     before, compiled = engine.stats.copy(), engine.compilations
-    hits, queries = (sum(getattr(r.pool, a) for r in engine.replicas) for a in ("hits", "queries"))
+    hits, queries = (sum(getattr(r.pool, a) for r in engine.schedulers) for a in ("hits", "queries"))
     t0 = time.perf_counter()
     while pending or engine.has_unfinished():
         now = time.perf_counter() - t0
@@ -97,7 +97,7 @@ def serve(engine, work: list[tuple[float, list[int], int]]) -> dict:
             time.sleep(max(pending[-1][0] - now, 0))
             continue
         engine.step()
-        running = [(i, r) for i, rep in enumerate(engine.replicas) for r in rep.running]
+        running = [(i, r) for i, rep in enumerate(engine.schedulers) for r in rep.running]
         if running:
             held = sum(r.computed for _, r in running)
             pages = len({(i, p) for i, r in running for p in r.pages})
@@ -105,14 +105,23 @@ def serve(engine, work: list[tuple[float, list[int], int]]) -> dict:
     duration = max(t for r, _ in requests for t in r.token_times) - t0
     return {"requests": requests, "duration": duration, "samples": samples, "stats": engine.stats - before,
             "compilations": engine.compilations - compiled,
-            "hits": sum(r.pool.hits for r in engine.replicas) - hits,
-            "queries": sum(r.pool.queries for r in engine.replicas) - queries}
+            "hits": sum(r.pool.hits for r in engine.schedulers) - hits,
+            "queries": sum(r.pool.queries for r in engine.schedulers) - queries}
 
 
 def dist(xs: list[float], ms: float = 1e3) -> dict:
     """mean / median / p99 in milliseconds."""
     a = np.asarray(xs, float) * ms if xs else np.zeros(1)
     return {"mean_ms": float(a.mean()), "median_ms": float(np.median(a)), "p99_ms": float(np.percentile(a, 99))}
+
+
+def page_hash_us(page_size: int, tokens: int = 4096, repeats: int = 5) -> float:
+    """Microseconds to key one page (see the module docstring)."""
+    from jaxinfer.page_pool import page_hashes
+
+    ids = np.random.default_rng(0).integers(0, 32000, tokens).tolist()
+    best = min(timeit.repeat(lambda: page_hashes(ids, page_size), number=1, repeat=repeats))
+    return 1e6 * best / (tokens // page_size)
 
 
 def summarise(res: dict, page_size: int, max_len: int, pool_pages: int) -> dict:
@@ -136,6 +145,7 @@ def summarise(res: dict, page_size: int, max_len: int, pool_pages: int) -> dict:
         "compilations_measured": res["compilations"], "compile_seconds_measured": res["stats"].compile_seconds,
         "kv_utilisation_paged": paged, "kv_utilisation_contiguous": contiguous,
         "paged_over_contiguous": paged / contiguous, "peak_pages_in_use": int(pages.max()), "pool_pages": pool_pages,
+        "page_hash_us": page_hash_us(page_size),
     }
 
 
@@ -145,7 +155,6 @@ def run(args: argparse.Namespace) -> dict:
     import jax.numpy as jnp
 
     from jaxinfer.llm import LLM
-    from jaxinfer.page_pool import PagePool
     from jaxinfer.random_model import BENCH_100M, DEFAULT, ensure
 
     (p0, p1), (o0, o1) = args.prompt_len_range, args.output_len_range
@@ -155,9 +164,7 @@ def run(args: argparse.Namespace) -> dict:
         args.preset]
     path = ensure(name, cfg) if args.model is None else args.model
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-    llm = LLM(path, mesh=args.mesh, dtype=dtype, page_size=args.page_size, num_pages=args.num_pages,
-              max_num_seqs=args.max_num_seqs, max_tokens_per_step=args.max_tokens_per_step,
-              attention_backend=args.attention_backend)
+    llm = LLM(path, mesh=args.mesh, dtype=dtype, engine_config=EngineConfig.from_cli_args(args))
     engine, max_len = llm.engine, p1 + o1
     capacity = engine.pages_per_replica * args.page_size
     if max_len > min(llm.config.context_length, capacity):
@@ -167,16 +174,15 @@ def run(args: argparse.Namespace) -> dict:
     t, passes = time.perf_counter(), 1 if math.isinf(args.request_rate) else 2
     for i in range(passes):  # a second pass with compiled buckets times arrivals more like the measured one
         serve(engine, workload(args, vocab, args.seed + 1 + i))
-        for rep in engine.replicas:  # an empty prefix cache again: the next pass schedules as this one did
-            rep.pool = PagePool(rep.pool.num_pages, rep.pool.page_size, rep.pool.prefix_caching)
+        engine.reset_prefix_cache()  # an empty prefix cache again: the next pass schedules as this one did
     warmup = time.perf_counter() - t
     result = summarise(serve(engine, workload(args, vocab, args.seed)), args.page_size, max_len,
-                       engine.pages_per_replica * len(engine.replicas))
+                       engine.pages_per_replica * len(engine.schedulers))
     return {
         "model": str(llm.path), "random_weights": args.model is None,
         "label": f"{name} (random weights)" if args.model is None else str(llm.path),
         "num_params": llm.config.num_params(), "dtype": jnp.dtype(llm.dtype).name, "mesh": str(llm.mesh_config),
-        "platform": llm.layout.mesh.devices.flat[0].platform, "attention_backend": engine.backend,
+        "platform": llm.layout.mesh.devices.flat[0].platform, "attention_backend": engine.runner.backend,
         "num_requests": args.num_requests,
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
         "prompt_len_range": [p0, p1], "output_len_range": [o0, o1], "page_size": args.page_size,
@@ -205,7 +211,8 @@ def readable(r: dict) -> str:
               f"{r['compile_seconds_measured']:.1f} s"),
              ("KV util paged / contiguous", f"{r['kv_utilisation_paged']:.1%} / {r['kv_utilisation_contiguous']:.1%}"
               f"  (x{r['paged_over_contiguous']:.2f} requests in the same memory)"),
-             ("Peak pages in use / pool", f"{r['peak_pages_in_use']} / {r['pool_pages']}")]
+             ("Peak pages in use / pool", f"{r['peak_pages_in_use']} / {r['pool_pages']}"),
+             ("Prefix-cache key (SHA-256) per page", f"{r['page_hash_us']:.2f} us")]
     bar = "=" * 30 + " Serving Benchmark Result " + "=" * 30
     return "\n".join([bar, *(f"{k:<38}{v}" for k, v in rows), "=" * len(bar)])
 

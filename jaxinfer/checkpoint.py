@@ -15,6 +15,7 @@ import struct
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import ml_dtypes
@@ -152,9 +153,10 @@ class Checkpoint:
                 if t not in self.files[n].tensors:
                     raise CheckpointError(f"{index} places {t!r} in {n}, but that file does not hold it")
 
-    def check(self, specs: dict[str, ParamSpec]) -> None:
-        """Every tensor present with the shape the config implies, before anything is read or compiled."""
-        for key, spec in specs.items():
+    def check(self, specs: Any) -> None:
+        """Every tensor present with the shape the config implies, before anything is read or compiled.
+        specs: a pytree of ParamSpec (a model's Weights)."""
+        for key, spec in named_specs(specs):
             for name in spec.hf_names():
                 if name not in self.where:
                     raise CheckpointError(f"checkpoint {self.path} lacks tensor {name!r} (needed for {key})")
@@ -218,17 +220,28 @@ class Checkpoint:
         return np.pad(data, widths)
 
 
-def load_params(ckpt: Checkpoint, specs: dict[str, ParamSpec], sharding_of: Callable, dtype) -> dict[str, jax.Array]:
-    """Sharded parameters; jax asks for each device's slice and only that slice is read and cast."""
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def named_specs(specs: Any) -> list[tuple[str, ParamSpec]]:
+    """(path, spec) of every ParamSpec leaf, e.g. ("layers.0.weights.attn.q", spec)."""
+    leaves = jax.tree_util.tree_leaves_with_path(specs, is_leaf=_is_spec)
+    return [(jax.tree_util.keystr(path, simple=True, separator="."), spec) for path, spec in leaves]
+
+
+def load_params(ckpt: Checkpoint, specs: Any, sharding_of: Callable, dtype) -> Any:
+    """The pytree of ParamSpec as sharded arrays; jax asks for each device's slice and only that slice is
+    read and cast."""
     ckpt.check(specs)
-    params = {}
-    for i, (key, spec) in enumerate(specs.items()):
-        _progress(i, len(specs), key)
-        params[key] = jax.make_array_from_callback(
-            spec.shape, sharding_of(spec.axes),
-            lambda idx, spec=spec: ckpt.read(spec, idx).astype(dtype))
-    _progress(len(specs), len(specs), "done")
-    return params
+    named = named_specs(specs)
+    arrays = []
+    for i, (key, spec) in enumerate(named):
+        _progress(i, len(named), key)
+        arrays.append(jax.make_array_from_callback(spec.shape, sharding_of(spec.axes),
+                                                   lambda idx, spec=spec: ckpt.read(spec, idx).astype(dtype)))
+    _progress(len(named), len(named), "done")
+    return jax.tree.unflatten(jax.tree.structure(specs, is_leaf=_is_spec), arrays)
 
 
 def _progress(done: int, total: int, what: str) -> None:

@@ -1,22 +1,20 @@
-"""Model configuration read from a Hugging Face config.json (pre-v5 and v5 key layouts)."""
+"""Configuration: the model's (from a Hugging Face config.json, pre-v5 and v5 key layouts) and the engine's
+serving knobs (one EngineConfig for the library, the launcher and the benchmarks)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
-# Architectures whose decoder is the Llama block (optionally with q/k/v biases or q/k RMSNorm).
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": {},
-    "MistralForCausalLM": {},
-    "Qwen2ForCausalLM": {"qkv_bias": True},
-    "Qwen3ForCausalLM": {"qk_norm": True},
-    "MixtralForCausalLM": {"moe": True, "norm_topk_prob": True},
-    "Qwen3MoeForCausalLM": {"qk_norm": True, "moe": True},
+ROPE_KEYS = {  # rope types jaxinfer computes, and the keys each needs
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 class ConfigError(ValueError):
@@ -38,7 +36,10 @@ class ModelConfig:
     rope_scaling: tuple[tuple[str, Any], ...] = ()  # frozen dict: ("rope_type", "llama3"), ("factor", 8.0) ...
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    qkv_bias: bool = False
+    hidden_act: str = "silu"
+    qkv_bias: bool = False                 # biases on the q/k/v projections (Qwen2; Llama's attention_bias)
+    o_bias: bool = False                   # a bias on the output projection (Llama's attention_bias)
+    mlp_bias: bool = False                 # biases on gate/up/down (Llama's mlp_bias)
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -71,59 +72,24 @@ class ModelConfig:
     def num_params(self) -> int:
         """Parameter count as stored on disk (embedding and LM head counted twice unless tied)."""
         e, m, h, kv, d = self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim
-        attn = e * d * (h + 2 * kv) + h * d * e + (d * (h + 2 * kv) if self.qkv_bias else 0)
+        attn = e * d * (h + 2 * kv) + h * d * e + (d * (h + 2 * kv) if self.qkv_bias else 0) + (e if self.o_bias else 0)
         layer = attn + 2 * e + (2 * d if self.qk_norm else 0)
+        mlp = 3 * e * m + ((2 * m + e) if self.mlp_bias else 0)
         experts = self.num_experts * 3 * e * self.moe_intermediate_size + e * self.num_experts
         head = 0 if self.tie_word_embeddings else self.vocab_size * e
-        return (self.num_layers * layer + len(self.mlp_layers) * 3 * e * m + len(self.moe_layers) * experts
+        return (self.num_layers * layer + len(self.mlp_layers) * mlp + len(self.moe_layers) * experts
                 + self.vocab_size * e + head + e)
 
     @classmethod
     def from_dict(cls, c: dict[str, Any]) -> ModelConfig:
-        archs = c.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ConfigError(
-                f"unsupported architecture {archs or c.get('model_type')!r}; jaxinfer supports "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-        extra = SUPPORTED_ARCHITECTURES[arch]
+        """Through the registered architecture's own mapping (jaxinfer.models.register)."""
+        from jaxinfer.models import architecture_for
+
+        name, arch = architecture_for(c)
         try:
-            heads = c["num_attention_heads"]
-            hidden = c["hidden_size"]
-            rope_params = dict(c.get("rope_parameters") or {})  # v5 layout
-            theta = rope_params.pop("rope_theta", None) or c.get("rope_theta", 10000.0)
-            scaling = dict(c.get("rope_scaling") or rope_params)  # pre-v5 layout keeps theta outside
-            scaling.pop("rope_theta", None)
-            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-            if rope_type not in SUPPORTED_ROPE_TYPES:
-                raise ConfigError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
-            scaling = {"rope_type": rope_type, **{k: v for k, v in scaling.items() if k not in ("type",)}}
-            eos = c.get("eos_token_id")
-            eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-            return cls(
-                architecture=arch,
-                vocab_size=c["vocab_size"],
-                hidden_size=hidden,
-                intermediate_size=c["intermediate_size"],
-                num_layers=c["num_hidden_layers"],
-                num_heads=heads,
-                num_kv_heads=c.get("num_key_value_heads") or heads,
-                head_dim=c.get("head_dim") or hidden // heads,
-                rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-                rope_theta=float(theta),
-                rope_scaling=tuple(sorted(scaling.items())) if rope_type != "default" else (),
-                max_position_embeddings=_context_length(c),
-                tie_word_embeddings=c.get("tie_word_embeddings", False),
-                qkv_bias=extra.get("qkv_bias", False) or c.get("attention_bias", False),
-                qk_norm=extra.get("qk_norm", False),
-                bos_token_id=c.get("bos_token_id"),
-                eos_token_ids=eos,
-                pad_token_id=c.get("pad_token_id"),
-                checkpoint_dtype=c.get("dtype") or c.get("torch_dtype") or "float32",
-                **(_moe(c, extra) if extra.get("moe") else {}),
-            )
+            return dataclasses.replace(arch.config(c), architecture=name)
         except KeyError as e:
-            raise ConfigError(f"config.json lacks the key {e.args[0]!r} that {arch} needs") from None
+            raise ConfigError(f"config.json lacks the key {e.args[0]!r} that {name} needs") from None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -143,16 +109,65 @@ class ModelConfig:
         return cfg
 
 
-def _moe(c: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    """Mixtral (num_local_experts, every layer sparse) and Qwen3-MoE (num_experts, mlp_only_layers,
-    decoder_sparse_step) in one shape."""
-    experts = c.get("num_local_experts") or c.get("num_experts")
-    step = c.get("decoder_sparse_step") or 1
-    dense = {i for i in range(c["num_hidden_layers"]) if (i + 1) % step or i in (c.get("mlp_only_layers") or [])}
-    return {"num_experts": experts, "experts_per_token": c["num_experts_per_tok"],
-            "moe_intermediate_size": c.get("moe_intermediate_size") or c["intermediate_size"],
-            "norm_topk_prob": extra.get("norm_topk_prob", c.get("norm_topk_prob", False)),
-            "dense_layers": tuple(sorted(dense))}
+def decoder_fields(c: dict[str, Any], *, sliding_window: bool) -> dict[str, Any]:
+    """The ModelConfig fields every decoder-only transformer's config.json gives. `sliding_window`: the
+    window (if set) is in use unless `use_sliding_window` says otherwise (Mistral, Mixtral); else only
+    where `use_sliding_window` is true (Qwen2/3, whose transformers default is false)."""
+    heads, hidden = c["num_attention_heads"], c["hidden_size"]
+    eos = c.get("eos_token_id")
+    return dict(
+        architecture=(c.get("architectures") or [""])[0],  # ModelConfig.from_dict sets the registered name
+        vocab_size=c["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=c["intermediate_size"],
+        num_layers=c["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=c.get("num_key_value_heads") or heads,
+        head_dim=c.get("head_dim") or hidden // heads,
+        rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+        **_rope(c),
+        max_position_embeddings=_context_length(c, sliding_window),
+        tie_word_embeddings=c.get("tie_word_embeddings", False),
+        hidden_act=c.get("hidden_act", "silu"),
+        bos_token_id=c.get("bos_token_id"),
+        eos_token_ids=() if eos is None else tuple(eos) if isinstance(eos, list) else (eos,),
+        pad_token_id=c.get("pad_token_id"),
+        checkpoint_dtype=c.get("dtype") or c.get("torch_dtype") or "float32",
+    )
+
+
+def _rope(c: dict[str, Any]) -> dict[str, Any]:
+    """rope_theta and rope_scaling from either layout, checked now so that nothing fails at the first step."""
+    params = dict(c.get("rope_parameters") or {})  # v5 layout: theta inside
+    theta = params.pop("rope_theta", None) or c.get("rope_theta", 10000.0)
+    scaling = dict(c.get("rope_scaling") or params)  # pre-v5 layout keeps theta outside
+    scaling.pop("rope_theta", None)
+    kind = scaling.pop("rope_type", scaling.pop("type", "default"))
+    if kind not in ROPE_KEYS:
+        raise ConfigError(f"unsupported rope type {kind!r}; supported: {tuple(ROPE_KEYS)}")
+    missing = [k for k in ROPE_KEYS[kind] if not isinstance(scaling.get(k), int | float) or scaling[k] <= 0]
+    if missing:
+        raise ConfigError(f"rope type {kind!r} needs positive numbers for {', '.join(ROPE_KEYS[kind])}; "
+                          f"config.json's rope scaling {scaling} lacks or has a bad {', '.join(missing)}")
+    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ConfigError(f"llama3 rope needs high_freq_factor > low_freq_factor, got {scaling}")
+    partial = c.get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise ConfigError(f"partial_rotary_factor={partial} (rotary embedding on part of each head) is not "
+                          f"supported; jaxinfer rotates whole heads")
+    return {"rope_theta": float(theta),
+            "rope_scaling": tuple(sorted({"rope_type": kind, **scaling}.items())) if kind != "default" else ()}
+
+
+def _context_length(c: dict[str, Any], window_by_default: bool) -> int:
+    """The context jaxinfer serves: max_position_embeddings, capped by a sliding window in use (exact below
+    the window; sliding-window attention itself is not implemented)."""
+    n = c.get("max_position_embeddings", 4096)
+    window = c.get("sliding_window")
+    sliding = "sliding_attention" in (c.get("layer_types") or ())
+    if window and (c.get("use_sliding_window", window_by_default) or sliding):
+        n = min(n, window)
+    return n
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -165,10 +180,54 @@ def _read_json(path: Path) -> dict[str, Any]:
     return value
 
 
-def _context_length(c: dict[str, Any]) -> int:
-    """The context jaxinfer serves: max_position_embeddings, capped by a sliding window in use."""
-    n = c.get("max_position_embeddings", 4096)
-    window = c.get("sliding_window")
-    if window and c.get("use_sliding_window", True):
-        n = min(n, window)  # exact below the window; sliding-window attention itself is not implemented
-    return n
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """The serving knobs (vLLM's engine arguments), checked at construction."""
+
+    page_size: int = 16                     # tokens per KV page
+    num_pages: int | None = None            # KV pages per dp replica; None: from memory_fraction (GPU) or a budget
+    memory_fraction: float = 0.9            # of device memory for weights + KV pages (gpu_memory_utilization)
+    max_num_seqs: int = 32                  # sequences per replica per step
+    max_tokens_per_step: int = 256          # token budget per replica per step (rounded up to a power of two)
+    prefix_caching: bool = True
+    attention_backend: str | None = None    # "xla" or "pallas"; None: pallas on GPU where it tiles, else xla
+
+    def __post_init__(self):
+        def integer(name: str, value: Any, least: int) -> None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name}={value!r} must be an integer >= {least}")
+
+        integer("page_size", self.page_size, 1)
+        if self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size={self.page_size} must be a power of two")
+        if self.num_pages is not None:
+            integer("num_pages", self.num_pages, 1)
+        integer("max_num_seqs", self.max_num_seqs, 1)
+        integer("max_tokens_per_step", self.max_tokens_per_step, 1)
+        if not (isinstance(self.memory_fraction, int | float) and 0 < self.memory_fraction <= 1
+                and math.isfinite(self.memory_fraction)):
+            raise ValueError(f"memory_fraction={self.memory_fraction!r} must be in (0, 1]")
+        if self.attention_backend not in (None, "xla", "pallas"):
+            raise ValueError(f"attention backend {self.attention_backend!r} is not one of xla, pallas")
+
+    @staticmethod
+    def add_cli_args(p: argparse.ArgumentParser) -> None:
+        """The same flags for the launcher and the benchmarks."""
+        d = EngineConfig()
+        g = p.add_argument_group("engine")
+        g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
+        g.add_argument("--num-pages", type=int, default=d.num_pages, help="KV pages per dp replica "
+                       "(default: memory_fraction of device memory after the weights; on CPU a 2 GiB budget)")
+        g.add_argument("--memory-fraction", type=float, default=d.memory_fraction,
+                       help="fraction of device memory for weights + KV pages (like vLLM's gpu_memory_utilization)")
+        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per replica per step")
+        g.add_argument("--max-tokens-per-step", type=int, default=d.max_tokens_per_step,
+                       help="token budget per replica per step (chunked prefill)")
+        g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                       help="do not share the KV pages of common prompt prefixes")
+        g.add_argument("--attention-backend", default=None, choices=["xla", "pallas"],
+                       help="xla: pure-jnp reference (CPU default); pallas: the Pallas GPU kernels (GPU default)")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

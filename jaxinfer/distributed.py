@@ -7,6 +7,7 @@ same step; results that live on other hosts' devices are gathered before the hos
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -14,23 +15,49 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 
-def initialize(coordinator: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> None:
-    """Join the job before JAX starts computing. Arguments default to JAXINFER_COORDINATOR,
-    JAXINFER_NUM_PROCESSES and JAXINFER_PROCESS_ID; with none of them, a single-process run stays one."""
-    coordinator = coordinator or os.environ.get("JAXINFER_COORDINATOR")
-    num_processes = num_processes or int(os.environ.get("JAXINFER_NUM_PROCESSES", "1"))
-    if process_id is None:
-        process_id = int(os.environ.get("JAXINFER_PROCESS_ID", "0"))
-    if num_processes <= 1:
-        return
-    if not coordinator:
-        raise ValueError(f"{num_processes} processes need a coordinator address (host:port), "
-                         f"e.g. --coordinator 10.0.0.1:1234 or JAXINFER_COORDINATOR")
-    if not 0 <= process_id < num_processes:
-        raise ValueError(f"process id {process_id} is outside 0..{num_processes - 1}")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts talk over TCP
-    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """This process's place in a multi-host job (one process: nothing to join)."""
+
+    coordinator: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
+
+    @classmethod
+    def from_flags(cls, coordinator: str | None = None, num_processes: int | None = None,
+                   process_id: int | None = None) -> Job:
+        """Flags, else JAXINFER_COORDINATOR, JAXINFER_NUM_PROCESSES and JAXINFER_PROCESS_ID; checked here,
+        before JAX starts."""
+        env = os.environ
+        coordinator = coordinator or env.get("JAXINFER_COORDINATOR")
+        num_processes = _integer("number of processes", num_processes, env.get("JAXINFER_NUM_PROCESSES"), 1)
+        process_id = _integer("process id", process_id, env.get("JAXINFER_PROCESS_ID"), 0)
+        if num_processes < 1:
+            raise ValueError(f"the number of processes must be at least 1, got {num_processes}")
+        if not 0 <= process_id < num_processes:
+            raise ValueError(f"process id {process_id} is outside 0..{num_processes - 1}")
+        if num_processes > 1 and not coordinator:
+            raise ValueError(f"{num_processes} processes need a coordinator address (host:port), "
+                             f"e.g. --coordinator 10.0.0.1:1234 or JAXINFER_COORDINATOR")
+        return cls(coordinator, num_processes, process_id)
+
+    def initialize(self) -> None:
+        """Join the job before JAX starts computing; a single process stays one."""
+        if self.num_processes == 1:
+            return
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts talk over TCP
+        jax.distributed.initialize(self.coordinator, num_processes=self.num_processes, process_id=self.process_id)
+
+
+def _integer(what: str, flag: int | None, env: str | None, default: int) -> int:
+    if flag is not None:
+        return flag
+    if env is None:
+        return default
+    try:
+        return int(env)
+    except ValueError:
+        raise ValueError(f"the {what} {env!r} from the environment is not an integer") from None
 
 
 def to_host(x: jax.Array) -> np.ndarray:

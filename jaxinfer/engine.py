@@ -1,13 +1,8 @@
-"""The engine: host-side continuous batching around one jitted device step.
+"""The engine loop: requests in, tokens out, one device step at a time.
 
-Each step the replicas' schedulers pick their tokens (decodes and prefill chunks together); the host
-packs them into one flat ragged batch per replica, padded to bucket shapes so that a steady workload
-compiles nothing new:
-- tokens per replica: a power of two, at most the step's token budget;
-- sequences per replica: a power of two, at most max_num_seqs rounded up;
-- pages per sequence in the page table: a power of two.
-The device step runs the model over the batch, writes K/V into the donated page pool, and samples one
-token per sequence; the host keeps only the tokens of sequences whose prompt is complete.
+Each step every replica's scheduler picks its work (decodes and prefill chunks together, a plain
+SchedulerOutput); jaxinfer.batch packs them into one bucketed batch; the ModelRunner runs it on the mesh
+and samples; each scheduler takes its sampled tokens back and says which requests finished.
 """
 
 from __future__ import annotations
@@ -18,25 +13,30 @@ import time
 from collections.abc import Callable, Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
-from jaxinfer.attention import StepMetadata, choose_backend
-from jaxinfer.config import ModelConfig
-from jaxinfer.distributed import shared_seed, to_host
-from jaxinfer.kv_cache import PagedKVCache, page_bytes, pages_from_budget
+from jaxinfer.attention import choose_backend
+from jaxinfer.batch import GREEDY, bucket, pack
+from jaxinfer.config import EngineConfig
+from jaxinfer.distributed import shared_seed
+from jaxinfer.kv_cache import PagedKVCache, page_bytes, pool_pages
+from jaxinfer.layers import Weights
+from jaxinfer.models import Model
 from jaxinfer.page_pool import PagePool
-from jaxinfer.sampling import SamplingArrays, SamplingParams, sample
-from jaxinfer.scheduler import Replica, Request
-from jaxinfer.sharding import Layout, device_bytes
+from jaxinfer.runner import ModelRunner
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.scheduler import Request, ScheduledSequence, Scheduler, SchedulerOutput
+from jaxinfer.sharding import Layout, device_bytes, kv_head_repeat
+from jaxinfer.stats import EngineStats, ExpertLoad
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
-
-CPU_KV_BUDGET = 2 << 30  # bytes of KV pages per device where the device does not report its memory
 
 
 class RequestError(ValueError):
     """A request that cannot be served: the message names the value and the limit."""
+
+
+class EngineStalled(RuntimeError):
+    """Requests are queued but no step can make progress: a bug, reported instead of spinning forever."""
 
 
 @dataclasses.dataclass
@@ -47,163 +47,51 @@ class Completion:
     prompt_token_ids: list[int]
 
 
-@dataclasses.dataclass
-class EngineStats:
-    steps: int = 0
-    prefill_steps: int = 0          # steps that computed at least one prompt token
-    prefill_seconds: float = 0.0    # device time of those steps (compilation excluded)
-    prefill_tokens: int = 0
-    decode_seconds: float = 0.0     # device time of decode-only steps
-    decode_tokens: int = 0
-    decode_steps: int = 0
-    compile_seconds: float = 0.0
-    preemptions: int = 0
-
-    def copy(self) -> EngineStats:
-        return dataclasses.replace(self)
-
-    def __sub__(self, before: EngineStats) -> EngineStats:
-        """What happened since `before` (the counters are cumulative over the engine's life)."""
-        return EngineStats(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(before),
-                                                    strict=True)))
-
-
-class ExpertLoad:
-    """Tokens routed to each expert, per MoE layer: in the last step and since the engine started."""
-
-    def __init__(self):
-        self.last: np.ndarray | None = None     # int [moe layers, experts]
-        self.total: np.ndarray | None = None
-
-    def record(self, counts: np.ndarray) -> None:
-        self.last = counts
-        self.total = counts if self.total is None else self.total + counts
-
-    @staticmethod
-    def imbalance(counts: np.ndarray) -> np.ndarray:
-        """max / mean tokens per expert, per layer (1.0 is perfect balance)."""
-        mean = counts.mean(axis=-1)
-        return np.where(mean > 0, counts.max(axis=-1) / np.where(mean > 0, mean, 1), 0.0)
-
-    def report(self) -> dict:
-        if self.total is None:
-            return {}
-        return {"last_step": {"tokens_per_expert": self.last.tolist(), "imbalance": self.imbalance(self.last).tolist()},
-                "total": {"tokens_per_expert": self.total.tolist(), "imbalance": self.imbalance(self.total).tolist()}}
-
-
-@struct.dataclass
-class StepBatch:
-    tokens: jax.Array           # int32 [R, N]
-    logits_index: jax.Array     # int32 [R, S] the last token of each sequence in this step
-    sample_positions: jax.Array  # int32 [R * S] position of the token each sequence samples
-    sampling: SamplingArrays    # [R * S]
-    meta: StepMetadata
-
-
-def _global_array(x: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Array | np.ndarray:
-    """A host array (identical on every process) placed as the compiled step expects it; an input the
-    step does not use (no sharding: the scoring step samples nothing) is passed as it is."""
-    return x if sharding is None else jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
-
-
-def bucket(n: int, minimum: int = 1, multiple: int = 1) -> int:
-    size = max(minimum, 1 << (max(n, 1) - 1).bit_length())
-    return -(-size // multiple) * multiple
-
-
 class Engine:
-    """Owns the sharded weights, the page pool and the compiled step of one model on one mesh."""
+    """The requests, the per-replica schedulers and the device runner of one model on one mesh."""
 
-    def __init__(self, model, cfg: ModelConfig, layout: Layout, params: dict, dtype, kv_heads: int, *,
-                 tokenizer: Tokenizer | None = None, page_size: int = 16, num_pages: int | None = None,
-                 memory_fraction: float = 0.9, max_num_seqs: int = 32, max_tokens_per_step: int = 256,
-                 prefix_caching: bool = True, attention_backend: str | None = None):
-        self.model, self.cfg, self.layout, self.params = model, cfg, layout, params
-        self.dtype, self.kv_heads, self.tokenizer = dtype, kv_heads, tokenizer
+    def __init__(self, model: Model, layout: Layout, weights: Weights, dtype, config: EngineConfig | None = None,
+                 tokenizer: Tokenizer | None = None):
+        self.config = config = config or EngineConfig()
+        self.cfg, self.layout, self.dtype, self.tokenizer = model.cfg, layout, dtype, tokenizer
+        cfg = self.cfg
         device = next(d for d in layout.mesh.devices.flat if d.process_index == jax.process_index())  # one of ours
-        if page_size < 1 or page_size & (page_size - 1):
-            raise ValueError(f"page_size={page_size} must be a power of two")
-        self.backend = choose_backend(attention_backend, device.platform, cfg.head_dim, page_size)
-        self.max_tokens = bucket(max_tokens_per_step, 16)
-        self.max_seqs = max_num_seqs
-        replicas, tp = layout.axis_size("batch"), layout.mesh.shape["tp"]   # dp x ep replicas
-        per_page = page_bytes(cfg.num_layers, kv_heads // tp, page_size, cfg.head_dim, dtype)
-        if num_pages is None:
-            num_pages = pages_from_budget(device, device_bytes(params, device), per_page, memory_fraction)
-            if num_pages is None:  # CPU: enough for every sequence slot at full context, within a budget
-                num_pages = min(max_num_seqs * -(-cfg.context_length // page_size), CPU_KV_BUDGET // per_page)
-        if num_pages < 1:
-            raise ValueError(f"no room for KV pages: {num_pages} pages of {per_page} bytes per device")
-        self.pages_per_replica = num_pages
-        self.cache = PagedKVCache.zeros(cfg.num_layers, kv_heads, replicas * num_pages, page_size, cfg.head_dim,
-                                        dtype, layout)
-        self.replicas = [Replica(PagePool(num_pages, page_size, prefix_caching), max_num_seqs, self.max_tokens)
-                         for _ in range(replicas)]
-        self.requests: dict[str, tuple[Request, Replica]] = {}
+        backend = choose_backend(config.attention_backend, device.platform, cfg.head_dim, config.page_size)
+        tp = layout.axis_size("kv_heads")
+        self.kv_heads = cfg.num_kv_heads * kv_head_repeat(cfg, tp)      # after replication for tp
+        per_page = page_bytes(cfg.num_layers, self.kv_heads // tp, config.page_size, cfg.head_dim, dtype)
+        self.pages_per_replica = pool_pages(config, device, device_bytes(weights, device), per_page,
+                                            cfg.context_length)
+        replicas = layout.axis_size("batch")                              # dp x ep replicas
+        cache = PagedKVCache.zeros(cfg.num_layers, self.kv_heads, replicas * self.pages_per_replica,
+                                   config.page_size, cfg.head_dim, dtype, layout)
+        self.runner = ModelRunner(model, layout, weights, cache, backend)
+        self.max_tokens = bucket(config.max_tokens_per_step, 16)
+        self.schedulers = [Scheduler(PagePool(self.pages_per_replica, config.page_size, config.prefix_caching),
+                                     config.max_num_seqs, self.max_tokens) for _ in range(replicas)]
+        self.requests: dict[str, tuple[Request, Scheduler]] = {}
         self.stats = EngineStats()
         self.expert_load = ExpertLoad()
-        self.executables: dict[tuple, jax.stages.Compiled] = {}
-        self.last: dict[str, jax.stages.Compiled] = {}
-        self._jitted = {"step": jax.jit(self._step, donate_argnums=(1,)),
-                        "score": jax.jit(self._score, donate_argnums=(1,))}
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(shared_seed())  # unseeded requests: same draws on every host
-
-    # ---- device ------------------------------------------------------------------------------
-    def _hidden(self, params, cache, batch: StepBatch):
-        return self.model.forward(params, batch.tokens, cache, batch.meta, self.cfg, self.layout)
-
-    def _step(self, params, cache, batch: StepBatch):
-        h, cache, aux = self._hidden(params, cache, batch)
-        last = jnp.take_along_axis(h, batch.logits_index[..., None], axis=1)        # per-row gather
-        logits = self._real_vocab(self.model.lm_head(params, last))                 # [R, S, V]
-        R, S, V = logits.shape
-        logits = self.layout.constrain(logits, ("batch", None, "vocab"))  # pinned: gather logits, not weights
-        logits = self.layout.constrain(logits, ("batch", None, None)).reshape(R * S, V)
-        return (sample(logits, batch.sampling, batch.sample_positions).reshape(R, S), aux), cache
-
-    def _score(self, params, cache, batch: StepBatch):
-        h, cache, _ = self._hidden(params, cache, batch)
-        logits = self.layout.constrain(self.model.lm_head(params, h), ("batch", "seq", "vocab"))
-        return self.layout.constrain(logits, ("batch", "seq", None))[..., : self.cfg.vocab_size], cache
-
-    def _real_vocab(self, logits: jax.Array) -> jax.Array:
-        """Rows added to pad the vocabulary to a multiple of tp can never be sampled."""
-        padded = logits.shape[-1]
-        if padded == self.cfg.vocab_size:
-            return logits
-        return jnp.where(jnp.arange(padded) < self.cfg.vocab_size, logits, -jnp.inf)
 
     @property
     def capacity(self) -> int:
         """Tokens one replica's page pool holds."""
-        return self.pages_per_replica * self.replicas[0].pool.page_size
+        return self.pages_per_replica * self.config.page_size
 
     @property
     def compilations(self) -> int:
-        return len(self.executables)
-
-    def run(self, step: str, batch: StepBatch, phase: str | None = None):
-        """Compile ahead of time once per bucket (timed apart), then execute on the donated cache.
-        The executable is remembered as the latest of its phase, for the collective report."""
-        key = (step, *(jax.typeof(x) for x in jax.tree.leaves(batch)))
-        if key not in self.executables:
-            t0 = time.perf_counter()
-            self.executables[key] = self._jitted[step].lower(self.params, self.cache, batch).compile()
-            self.stats.compile_seconds += time.perf_counter() - t0
-        exe = self.last[phase or step] = self.executables[key]
-        batch = jax.tree.map(_global_array, batch, exe.input_shardings[0][2])  # the same on every host
-        out, self.cache = exe(self.params, self.cache, batch)
-        return jax.tree.map(to_host, out)
+        return self.runner.compilations
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
                     on_token: Callable[[Request, int, str], None] | None = None) -> Request:
         """Queue a request on the least loaded replica. Refused at once if it can never be served."""
         self.check_prompt(prompt)
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.requests:
+        if request_id is None:
+            request_id = next(i for i in (f"req-{n}" for n in self._ids) if i not in self.requests)
+        elif request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**31))
         eos = frozenset() if params.ignore_eos else frozenset(self.cfg.eos_token_ids)
@@ -211,19 +99,21 @@ class Engine:
                  if self.tokenizer is not None else None)
         budget = min(params.max_tokens, self.cfg.context_length - len(prompt), self.capacity - len(prompt))
         r = Request(request_id, list(prompt), params, seed, budget, eos | set(params.stop_token_ids), detok, on_token)
-        replica = min(self.replicas, key=len)
-        replica.waiting.append(r)
-        self.requests[request_id] = (r, replica)
+        scheduler = min(self.schedulers, key=len)
+        scheduler.add(r)
+        self.requests[request_id] = (r, scheduler)
         return r
 
-    def check_prompt(self, ids: list[int]) -> None:
-        limit = self.cfg.context_length
+    def check_prompt(self, ids: list[int], generate: bool = True) -> None:
+        """A prompt to generate from needs a free position after it; one to score does not."""
+        limit, room = self.cfg.context_length, 1 if generate else 0
         if not ids:
             raise RequestError("empty prompt: give at least one token")
-        if len(ids) >= limit:
-            raise RequestError(f"prompt of {len(ids)} tokens does not fit the context limit of {limit} tokens "
-                               f"(it needs at least one free position to generate); shorten it")
-        if len(ids) >= self.capacity:
+        if len(ids) + room > limit:
+            raise RequestError(f"prompt of {len(ids)} tokens does not fit the context limit of {limit} tokens"
+                               + (" (it needs at least one free position to generate)" if generate else "")
+                               + "; shorten it")
+        if len(ids) + room > self.capacity:
             raise RequestError(f"prompt of {len(ids)} tokens does not fit the KV page pool of {self.capacity} tokens "
                                f"per replica; shorten it or give the cache more pages (num_pages)")
         bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
@@ -235,86 +125,62 @@ class Engine:
         entry = self.requests.pop(request_id, None)
         if entry is None:
             return False
-        r, replica = entry
-        replica.finish(r)
+        r, scheduler = entry
+        scheduler.finish(r)
         r.finish_reason = r.finish_reason or "abort"
         return True
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def reset_prefix_cache(self) -> None:
+        """Empty every replica's prefix cache (e.g. between benchmark passes)."""
+        for s in self.schedulers:
+            s.pool.reset_prefix_cache()
+
     # ---- the step loop -----------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Schedule, run one device step, hand out the sampled tokens; returns the requests that finished."""
-        plans = [replica.schedule() for replica in self.replicas]
-        if not any(plans):
+        outputs = [s.schedule() for s in self.schedulers]
+        if not any(outputs):
+            if self.requests:
+                raise EngineStalled(self._stall_report())
             return []
-        prefill = any(n > 1 or not r.output for plan in plans for r, n in plan)
-        t0 = time.perf_counter()
-        compile_before = self.stats.compile_seconds
-        sampled, aux = self.run("step", self._pack(plans), phase="prefill" if prefill else "decode")
-        if "expert_counts" in aux:
-            self.expert_load.record(aux["expert_counts"].sum(axis=1))
-        seconds = time.perf_counter() - t0 - (self.stats.compile_seconds - compile_before)
-        finished, new_tokens = [], 0
-        for replica, plan, row in zip(self.replicas, plans, sampled, strict=True):
-            for s, (r, n) in enumerate(plan):
-                replica.computed(r, n)
-                if r.pending == 0:
-                    r.add_token(int(row[s]))
-                    new_tokens += 1
-                    if r.finish_reason:
-                        replica.finish(r)
-                        del self.requests[r.id]
-                        finished.append(r)
-        self.stats.steps += 1
-        self.stats.preemptions = sum(rep.preemptions for rep in self.replicas)
+        prefill = any(o.prefill for o in outputs)
+        t0, compiled = time.perf_counter(), self.runner.compile_seconds
+        sampled, counts = self.runner.step(pack(outputs, self.config.page_size, self.pages_per_replica),
+                                           "prefill" if prefill else "decode")
+        if counts is not None:
+            self.expert_load.record(counts.sum(axis=1))
+        seconds = time.perf_counter() - t0 - (self.runner.compile_seconds - compiled)
+        finished = [r for sched, out, row in zip(self.schedulers, outputs, sampled, strict=True)
+                    for r in sched.update(out, row)]
+        for r in finished:
+            del self.requests[r.id]
+        s = self.stats
+        s.steps += 1
+        s.compile_seconds = self.runner.compile_seconds
+        s.preemptions = sum(sch.preemptions for sch in self.schedulers)
         if prefill:
-            self.stats.prefill_steps += 1
-            self.stats.prefill_seconds += seconds
-            self.stats.prefill_tokens += sum(n for plan in plans for _, n in plan)
+            s.prefill_steps += 1
+            s.prefill_seconds += seconds
+            s.prefill_tokens += sum(o.num_tokens for o in outputs)
         else:
-            self.stats.decode_seconds += seconds
-            self.stats.decode_tokens += new_tokens
-            self.stats.decode_steps += 1
+            s.decode_steps += 1
+            s.decode_seconds += seconds
+            s.decode_tokens += sum(seq.samples for o in outputs for seq in o.sequences)
         return finished
 
-    def _pack(self, plans: list[list[tuple[Request, int]]]) -> StepBatch:
-        """One flat ragged batch per replica, padded to shared bucket shapes."""
-        P = self.replicas[0].pool.page_size
-        N = bucket(max(sum(n for _, n in plan) for plan in plans))
-        S = bucket(max(map(len, plans)))
-        max_pages = bucket(max((len(r.pages) for plan in plans for r, _ in plan), default=1))
-        R = len(plans)
-        sentinel = self.pages_per_replica * P
-        tokens, positions = np.zeros((R, N), np.int32), np.zeros((R, N), np.int32)
-        slots = np.full((R, N), sentinel, np.int32)
-        page_table = np.zeros((R, S, max_pages), np.int32)
-        seq_lens, logits_index = np.zeros((R, S), np.int32), np.zeros((R, S), np.int32)
-        query_start, num_seqs = np.zeros((R, S + 1), np.int32), np.zeros(R, np.int32)
-        params, seeds = [SamplingParams(temperature=0)] * (R * S), [0] * (R * S)
-        for i, plan in enumerate(plans):
-            t = 0
-            for s, (r, n) in enumerate(plan):
-                pos = np.arange(r.computed, r.computed + n)
-                tokens[i, t: t + n] = r.tokens[r.computed: r.computed + n]
-                positions[i, t: t + n] = pos
-                slots[i, t: t + n] = np.asarray(r.pages)[pos // P] * P + pos % P
-                page_table[i, s, : len(r.pages)] = r.pages
-                seq_lens[i, s] = r.computed + n
-                logits_index[i, s] = t + n - 1
-                query_start[i, s + 1] = t + n
-                params[i * S + s], seeds[i * S + s] = r.params, r.seed
-                t += n
-            query_start[i, len(plan) + 1:] = t
-            num_seqs[i] = len(plan)
-        meta = StepMetadata(positions, slots, page_table, seq_lens, query_start, num_seqs, backend=self.backend)
-        return StepBatch(tokens, logits_index, seq_lens.reshape(-1), SamplingArrays.from_params(params, R * S, seeds),
-                         meta)
+    def _stall_report(self) -> str:
+        parts = [f"replica {i}: {len(s.waiting)} waiting, {len(s.running)} running, {s.pool.available} of "
+                 f"{s.pool.num_pages} pages available" for i, s in enumerate(self.schedulers)]
+        return "no request can be scheduled although requests are queued (" + "; ".join(parts) + ")"
 
     # ---- conveniences over the loop ----------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
-        """Run requests to completion (all validated before any is queued)."""
+        """Run requests to completion; all are validated before any is queued."""
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
         for ids in prompts:
             self.check_prompt(ids)
         requests = [self.add_request(ids, p) for ids, p in zip(prompts, params, strict=True)]
@@ -332,23 +198,25 @@ class Engine:
             events.clear()
 
     def score(self, sequences: list[list[int]]) -> list[np.ndarray]:
-        """float32 logits [T, V] of each sequence, computed in chunks through the same paged cache."""
+        """float32 logits [T, V] of each sequence (up to the full context), computed in chunks of the step
+        budget through replica 0's pages, which are returned after each sequence."""
         for ids in sequences:
-            self.check_prompt(ids)
-        replica, out = self.replicas[0], []
-        for i, ids in enumerate(sequences):
-            r = Request(f"score-{i}", list(ids), SamplingParams(temperature=0), 0, 0, frozenset())
-            chunks = []
+            self.check_prompt(ids, generate=False)
+        pool, out = self.schedulers[0].pool, []
+        idle = [SchedulerOutput([]) for _ in self.schedulers[1:]]
+        for ids in sequences:
+            pages = pool.allocate(-(-len(ids) // pool.page_size))
+            if pages is None:
+                raise RequestError("the KV page pool is too busy to score now; retry when the engine is idle")
             try:
-                while r.pending:
-                    n = min(r.pending, self.max_tokens)
-                    if not replica._grow(r, n):
-                        raise RequestError("the KV page pool is too busy to score now; retry when the engine is idle")
-                    plans = [[(r, n)]] + [[] for _ in self.replicas[1:]]
-                    logits = self.run("score", self._pack(plans))
-                    chunks.append(logits[0, :n])
-                    r.computed += n
+                chunks = []
+                for start in range(0, len(ids), self.max_tokens):
+                    chunk = list(ids[start: start + self.max_tokens])
+                    seq = ScheduledSequence("score", chunk, start, pages, GREEDY, 0, samples=False, prefill=True)
+                    logits = self.runner.score(pack([SchedulerOutput([seq]), *idle], pool.page_size,
+                                                    self.pages_per_replica))
+                    chunks.append(logits[0, : len(chunk)])
             finally:
-                replica.pool.release(r.pages)
+                pool.release(pages)
             out.append(np.concatenate(chunks))
         return out

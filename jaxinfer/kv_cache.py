@@ -12,9 +12,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxinfer.config import EngineConfig
 from jaxinfer.sharding import Axes, Layout
 
 POOL_AXES: Axes = ("layers", "kv_heads", "pages", None, "head_dim")
+CPU_KV_BUDGET = 2 << 30  # bytes of KV pages per device where the device does not report its memory
 
 
 @struct.dataclass
@@ -35,12 +37,22 @@ def page_bytes(layers: int, kv_heads: int, page_size: int, head_dim: int, dtype)
     return 2 * layers * kv_heads * page_size * head_dim * jnp.dtype(dtype).itemsize
 
 
-def pages_from_budget(device: jax.Device, weight_bytes_per_device: int, bytes_per_page_per_device: int,
-                      memory_fraction: float) -> int | None:
-    """Pages that fit in `memory_fraction` of a device's memory after its weights (vLLM's
-    gpu_memory_utilization); None where the device does not report its memory (CPU)."""
+def pool_pages(config: EngineConfig, device: jax.Device, weight_bytes_per_device: int, bytes_per_page_per_device: int,
+               context_length: int) -> int:
+    """Pages per replica: config.num_pages, else what fits in `memory_fraction` of a device's memory after
+    its weights (vLLM's gpu_memory_utilization); where the device does not report its memory (CPU), enough
+    for max_num_seqs full contexts within CPU_KV_BUDGET."""
+    if config.num_pages is not None:
+        return config.num_pages
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if not stats or "bytes_limit" not in stats:
-        return None
-    free = memory_fraction * stats["bytes_limit"] - weight_bytes_per_device
-    return max(int(free // bytes_per_page_per_device), 0)
+    if stats and "bytes_limit" in stats:
+        free = config.memory_fraction * stats["bytes_limit"] - weight_bytes_per_device
+        pages = int(free // bytes_per_page_per_device)
+    else:
+        pages = min(config.max_num_seqs * -(-context_length // config.page_size),
+                    CPU_KV_BUDGET // bytes_per_page_per_device)
+    if pages < 1:
+        raise ValueError(f"no room for KV pages: {config.memory_fraction:.0%} of device memory holds the weights "
+                         f"({weight_bytes_per_device:,} bytes) but not one page of {bytes_per_page_per_device:,} "
+                         f"bytes; raise memory_fraction, use more devices (tp), or set num_pages")
+    return pages

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from absl import logging
 
+from jaxinfer.config import EngineConfig
+from jaxinfer.distributed import Job
 from jaxinfer.mesh import mesh_for_cli
+from jaxinfer.sampling import SamplingParams
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -34,12 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--attention-backend", default=None, choices=["xla", "pallas"],
-                   help="xla: pure-jnp reference (CPU default); pallas: the Pallas GPU kernels (GPU default)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--num-pages", type=int, default=None, help="KV pages per dp replica (default: from memory)")
-    p.add_argument("--memory-fraction", type=float, default=0.9,
-                   help="fraction of device memory for weights + KV pages (like vLLM's gpu_memory_utilization)")
+    EngineConfig.add_cli_args(p)
     p.add_argument("--report-collectives", action="store_true",
                    help="print the collectives of the compiled prefill and decode steps")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -52,12 +49,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    processes = args.num_processes or int(os.environ.get("JAXINFER_NUM_PROCESSES", "1"))
-    try:
-        mesh = mesh_for_cli(args.mesh, processes)
-        from jaxinfer.distributed import initialize
-
-        initialize(args.coordinator, args.num_processes, args.process_id)
+    try:  # every flag is checked before JAX starts and before any weight is read
+        job = Job.from_flags(args.coordinator, args.num_processes, args.process_id)
+        mesh = mesh_for_cli(args.mesh, job.num_processes)
+        engine_config = EngineConfig.from_cli_args(args)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
+                                ignore_eos=args.ignore_eos)
+        job.initialize()
     except ValueError as e:  # MeshError too
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -67,7 +66,6 @@ def main(argv: list[str] | None = None) -> int:
     from jaxinfer.collectives import format_report
     from jaxinfer.llm import LLM
     from jaxinfer.random_model import default_model
-    from jaxinfer.sampling import SamplingParams
 
     logging.set_verbosity(logging.INFO)
     if jax.default_backend() == "cpu":
@@ -75,11 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     random_weights = args.model is None
     path = default_model() if random_weights else args.model
     try:
-        llm = LLM(path, mesh=mesh, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
-                  memory_fraction=args.memory_fraction, attention_backend=args.attention_backend)
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
-                                ignore_eos=args.ignore_eos)
+        llm = LLM(path, mesh=mesh, dtype=args.dtype, engine_config=engine_config)
         if args.chat is not None:
             out = llm.chat([{"role": "user", "content": args.chat}], params)[0]
         else:
@@ -112,9 +106,9 @@ def summary(llm, out, random_weights: bool) -> dict:
         "platform": llm.layout.mesh.devices.flat[0].platform,
         "dtype": llm.engine.dtype.__name__ if hasattr(llm.engine.dtype, "__name__") else str(llm.engine.dtype),
         "parameter_bytes_per_device": llm.parameter_bytes_per_device(),
-        "attention_backend": llm.engine.backend,
+        "attention_backend": llm.engine.runner.backend,
         "kv_pages_per_replica": llm.engine.pages_per_replica,
-        "page_size": llm.engine.replicas[0].pool.page_size,
+        "page_size": llm.engine.config.page_size,
         "prompt_tokens": len(out.prompt_token_ids),
         "output_token_ids": out.token_ids,
         "output_text": out.text,

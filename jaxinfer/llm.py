@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -11,8 +12,9 @@ import numpy as np
 
 from jaxinfer.checkpoint import Checkpoint, load_params
 from jaxinfer.collectives import collective_report
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import Completion, Engine
+from jaxinfer.layers import Weights
 from jaxinfer.mesh import MeshConfig
 from jaxinfer.models import model_for
 from jaxinfer.sampling import SamplingParams
@@ -36,13 +38,11 @@ def resolve_dtype(dtype: str, cfg: ModelConfig):
 class LLM:
     """A Hugging Face checkpoint served on a (dp, pp, tp, ep, sp) mesh, e.g. LLM(path, mesh="tp=2")."""
 
-    def __init__(self, model: str | Path, mesh: str | MeshConfig = "", dtype: str = "auto", *,
-                 page_size: int = 16, num_pages: int | None = None, memory_fraction: float = 0.9,
-                 max_num_seqs: int = 32, max_tokens_per_step: int = 256, prefix_caching: bool = True,
-                 attention_backend: str | None = None):
-        """num_pages: KV pages per dp replica (default: memory_fraction of device memory after the weights,
-        like vLLM's gpu_memory_utilization; on CPU, enough for max_num_seqs full contexts within 2 GiB).
-        attention_backend: "xla" (pure-jnp reference; CPU default) or "pallas" (GPU default)."""
+    def __init__(self, model: str | Path, mesh: str | MeshConfig = "", dtype: str = "auto",
+                 engine_config: EngineConfig | None = None, **engine_args):
+        """engine_config (or its fields as keyword arguments, e.g. num_pages=64): the serving knobs.
+        Everything is checked before any weight is read."""
+        engine_config = dataclasses.replace(engine_config or EngineConfig(), **engine_args)
         self.path = Path(model)
         self.config = ModelConfig.from_dir(self.path)
         self.mesh_config = MeshConfig.parse(mesh)
@@ -55,21 +55,21 @@ class LLM:
         except TokenizerError:
             self.tokenizer = None  # token-id prompts still work
         self.layout = Layout(self.mesh_config.make())
-        repeat = kv_head_repeat(self.config, self.mesh_config.tp)
-        arch = model_for(self.config)
-        specs = arch.param_specs(self.config, repeat, vocab_multiple=self.mesh_config.tp)
-        params = load_params(checkpoint, specs, self.layout.sharding, self.dtype)
-        self.engine = Engine(arch, self.config, self.layout, params, self.dtype, self.config.num_kv_heads * repeat,
-                             tokenizer=self.tokenizer, page_size=page_size, num_pages=num_pages,
-                             memory_fraction=memory_fraction, max_num_seqs=max_num_seqs,
-                             max_tokens_per_step=max_tokens_per_step, prefix_caching=prefix_caching,
-                             attention_backend=attention_backend)
+        self.model = model_for(self.config)
+        specs = self.model.weights(kv_repeat=kv_head_repeat(self.config, self.mesh_config.tp),
+                                   vocab_multiple=self.layout.axis_size("vocab"))
+        weights = load_params(checkpoint, specs, self.layout.sharding, self.dtype)
+        self.engine = Engine(self.model, self.layout, weights, self.dtype, engine_config, self.tokenizer)
         log.info("loaded %s (%s) on mesh %s in %s", self.path, self.config.architecture, self.mesh_config,
                  jnp.dtype(self.dtype).name)
 
+    @property
+    def weights(self) -> Weights:
+        return self.engine.runner.weights
+
     def parameter_bytes_per_device(self) -> int:
         """Bytes of weights each device holds (its shards of every array)."""
-        return max(device_bytes(self.engine.params, d) for d in self.layout.mesh.devices.flat)
+        return max(device_bytes(self.weights, d) for d in self.layout.mesh.devices.flat)
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -103,8 +103,8 @@ class LLM:
 
     def collective_report(self) -> dict:
         """Collectives executed by the latest compiled prefill and decode steps (per step, per device)."""
-        return {step: collective_report(self.engine.last[step].as_text())
-                for step in ("prefill", "decode") if step in self.engine.last}
+        last = self.engine.runner.last
+        return {step: collective_report(last[step].as_text()) for step in ("prefill", "decode") if step in last}
 
     def logits(self, token_id_lists: list[list[int]]) -> list[np.ndarray]:
         """Per sequence, float32 logits [T, V] of one full forward pass: the ground-truth hook for tests."""

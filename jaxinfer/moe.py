@@ -35,12 +35,10 @@ are masked with `where` regardless.
 
 from __future__ import annotations
 
-import functools
-
+import chex
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec
 
 from jaxinfer.sharding import Layout
 
@@ -90,22 +88,6 @@ def _unpack(packed: jax.Array, embed: int, dtype: jnp.dtype) -> tuple[jax.Array,
     return lax.bitcast_convert_type(packed[..., :embed], dtype), lax.bitcast_convert_type(tail, jnp.int32)
 
 
-def _spec(layout: Layout, axes: tuple[str | None, ...]) -> PartitionSpec:
-    """layout.spec without mesh axes of size 1: the same placement, but nothing varies over them, so a
-    tp=1 mesh needs no psum over "tp" (which XLA would otherwise keep as a one-device all-reduce)."""
-    def keep(entry: str | tuple[str, ...] | None) -> tuple[str, ...] | None:
-        names = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if layout.mesh.shape[a] > 1)
-        return names or None
-    return PartitionSpec(*map(keep, layout.spec(axes)))
-
-
-def _mesh_axis(layout: Layout, logical: str) -> str | None:
-    axis = dict(layout.rules).get(logical)
-    if axis is not None and not isinstance(axis, str):
-        raise ValueError(f"moe needs {logical!r} on at most one mesh axis, the rules give {axis!r}")
-    return axis
-
-
 def moe(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
         valid: jax.Array, *, top_k: int, normalize: bool, layout: Layout) -> tuple[jax.Array, jax.Array]:
     """Expert-parallel MoE FFN. x [R, N, E], router [E, X], w_gate/w_up [X, E, M], w_down [X, M, E],
@@ -114,15 +96,18 @@ def moe(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_d
     Communication per call and device: two all-to-alls over ep (bytes in the module docstring) and, where
     the FFN width is split (tp > 1), one all-reduce of the [n, E] output; no all-gather, weights never move.
     """
-    mesh, num_experts = layout.mesh, router.shape[1]
-    ep_axis, tp_axis = _mesh_axis(layout, "experts"), _mesh_axis(layout, "mlp")
-    ep = mesh.shape[ep_axis] if ep_axis else 1
-    tp = mesh.shape[tp_axis] if tp_axis else 1
+    chex.assert_rank([x, router, w_gate, w_up, w_down, valid], [3, 2, 3, 3, 3, 2])
+    chex.assert_equal_shape([w_gate, w_up])
+    chex.assert_shape(router, (x.shape[-1], w_gate.shape[0]))
+    chex.assert_shape(w_down, (w_gate.shape[0], w_gate.shape[2], x.shape[-1]))
+    chex.assert_shape(valid, x.shape[:2])
+    num_experts = router.shape[1]
+    ep_axis, tp_axis = _one_mesh_axis(layout, "experts"), _one_mesh_axis(layout, "mlp")
+    ep, tp = layout.axis_size("experts"), layout.axis_size("mlp")
     if num_experts % ep:
         raise ValueError(f"{num_experts} experts cannot be split evenly over ep={ep}: "
                          f"use an ep that divides {num_experts}")
-    batch = layout.spec(TOKENS)[0]
-    batch_axes = (batch,) if isinstance(batch, str) else tuple(batch or ())
+    batch_axes = layout.mesh_axes("batch")
     if ep > 1 and ep_axis not in batch_axes:
         raise ValueError(f"expert parallel needs the tokens sharded over {ep_axis!r} too (rules 'batch' -> "
                          f"(..., {ep_axis!r})); they are sharded over {batch_axes}")
@@ -163,11 +148,13 @@ def moe(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_d
         y = (weights[..., None] * per_choice).sum(2)
         return (lax.psum(y, tp_axis) if tp > 1 else y), counts
 
-    spec = functools.partial(_spec, layout)
-    y, counts = jax.shard_map(
-        local, mesh=mesh,
-        in_specs=(spec(TOKENS), spec(TOKENS[:2]), PartitionSpec(), spec(WEIGHTS_IN), spec(WEIGHTS_IN),
-                  spec(WEIGHTS_OUT)),
-        out_specs=(spec(TOKENS), spec(("batch", None))),
-    )(x, valid, router, w_gate, w_up, w_down)
-    return y, counts
+    return layout.shard_map(local, in_axes=(TOKENS, TOKENS[:2], None, WEIGHTS_IN, WEIGHTS_IN, WEIGHTS_OUT),
+                            out_axes=(TOKENS, ("batch", None)))(x, valid, router, w_gate, w_up, w_down)
+
+
+def _one_mesh_axis(layout: Layout, logical: str) -> str | None:
+    """The single mesh axis (of size > 1) that splits `logical`, or None."""
+    axes = layout.mesh_axes(logical)
+    if len(axes) > 1:
+        raise ValueError(f"moe needs {logical!r} on at most one mesh axis, the rules give {axes}")
+    return axes[0] if axes else None

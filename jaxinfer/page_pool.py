@@ -1,23 +1,33 @@
 """Host-side page allocator of one replica: free list, reference counts, and the prefix cache.
 
-A full page is keyed by a chained hash of its tokens (the hash of the page before it and its own
-tokens), so equal keys mean equal prefixes. Requests that share a prompt prefix share its pages by
-reference count; a cached page nobody references stays cached until it is evicted, least recently
-used first, when free pages run out (vLLM's automatic prefix caching).
+A full page is keyed by a chained SHA-256 digest: key = sha256(parent key + the page's token ids as
+little-endian int64), where the parent key of a sequence's first page is ROOT_KEY (32 zero bytes). Equal
+keys mean equal prefixes; a cryptographic hash (as vLLM moved to after its advisory on Python's hash()) keeps
+a crafted prompt from colliding with another user's prefix and reading its cache, and the keys are the same in
+every process. Requests that share a prompt prefix share its pages by reference count; a cached page nobody
+references stays cached until it is evicted, least recently used first, when free pages run out (vLLM's
+automatic prefix caching).
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 
+ROOT_KEY = bytes(32)  # the parent key of a sequence's first page
 
-def page_hashes(tokens: list[int], page_size: int, parent: int | None = None) -> list[int]:
-    """Chained hashes of the full pages of `tokens` (which follow the page hashed `parent`, if any)."""
-    hashes = []
-    for start in range(0, len(tokens) - page_size + 1, page_size):
-        parent = hash((parent, tuple(tokens[start: start + page_size])))
-        hashes.append(parent)
-    return hashes
+
+def page_hashes(tokens: list[int], page_size: int, parent: bytes | None = None) -> list[bytes]:
+    """Chained SHA-256 keys (32 bytes each) of the full pages of `tokens`, which follow the page keyed
+    `parent` (None: they start the sequence). A partial last page gets no key."""
+    full = len(tokens) // page_size * page_size
+    data = struct.pack(f"<{full}q", *tokens[:full])  # one conversion for all pages
+    step, key, keys = page_size * 8, ROOT_KEY if parent is None else parent, []
+    for start in range(0, len(data), step):
+        key = hashlib.sha256(key + data[start: start + step]).digest()
+        keys.append(key)
+    return keys
 
 
 class PagePool:
@@ -25,8 +35,8 @@ class PagePool:
         self.num_pages, self.page_size, self.prefix_caching = num_pages, page_size, prefix_caching
         self.free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self.refs = [0] * num_pages
-        self.cached: dict[int, int] = {}                 # hash -> page
-        self.hash_of: dict[int, int] = {}                # page -> hash
+        self.cached: dict[bytes, int] = {}               # key -> page
+        self.hash_of: dict[int, bytes] = {}              # page -> key
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached pages with no reference, LRU first
         self.hits = 0                                    # pages served from the prefix cache
         self.queries = 0                                 # full prompt pages looked up
@@ -61,7 +71,7 @@ class PagePool:
                 else:
                     self.free.append(page)
 
-    def lookup(self, hashes: list[int]) -> list[int]:
+    def lookup(self, hashes: list[bytes]) -> list[int]:
         """The cached pages of the longest prefix of `hashes`, each now referenced by the caller."""
         if not self.prefix_caching:
             return []
@@ -78,8 +88,16 @@ class PagePool:
         self.hits += len(pages)
         return pages
 
-    def register(self, page: int, h: int) -> None:
+    def register(self, page: int, h: bytes) -> None:
         """Offer a page that just became full to the prefix cache (first writer wins)."""
         if self.prefix_caching and h not in self.cached and page not in self.hash_of:
             self.cached[h] = page
             self.hash_of[page] = h
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached key (vLLM's reset_prefix_cache): unreferenced cached pages become free, pages
+        in use stay with their owners and are no longer shared."""
+        self.free.extend(reversed(self.evictable))
+        self.evictable.clear()
+        self.cached.clear()
+        self.hash_of.clear()

@@ -44,6 +44,9 @@ def cache_dir() -> Path:
 
 def write_random_checkpoint(path: str | Path, config: dict, seed: int = 0) -> Path:
     """A complete checkpoint directory (config, safetensors, byte-level tokenizer) with random weights."""
+    import jax
+
+    from jaxinfer.checkpoint import ParamSpec
     from jaxinfer.models import model_for
 
     path = Path(path)
@@ -51,7 +54,7 @@ def write_random_checkpoint(path: str | Path, config: dict, seed: int = 0) -> Pa
     cfg = ModelConfig.from_dict(config)
     rng = np.random.default_rng(seed)
     tensors = {}
-    for spec in model_for(cfg).param_specs(cfg).values():
+    for spec in jax.tree.leaves(model_for(cfg).weights(), is_leaf=lambda x: isinstance(x, ParamSpec)):
         for name in spec.hf_names():
             if name in tensors:
                 continue  # tied embeddings

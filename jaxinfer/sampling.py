@@ -1,18 +1,37 @@
-"""SamplingParams (host) and the on-device sampler: greedy, temperature, top-k, top-p, min-p, seed."""
+"""SamplingParams (host) and the on-device sampler: greedy, temperature, min-p, top-k, top-p, seed."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a smaller temperature is greedy, not a division by ~0
+SEED_LIMIT = 2**32   # the device holds seeds as uint32
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool | np.bool_)
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool | np.bool_)
+
+
+def _show(v: object) -> str:
+    """Numbers as written (seed=-1, not np.int64(-1)); anything else by repr, so "3" and True stand out."""
+    return str(v) if _is_real(v) else repr(v)
+
 
 @dataclasses.dataclass
 class SamplingParams:
-    """vLLM's knobs. temperature 0 is greedy; top_k <= 0, top_p 1 and min_p 0 switch those filters off."""
+    """vLLM's knobs. temperature 0 (or below GREEDY_BELOW) is greedy; top_k 0 or -1, top_p 1 and min_p 0
+    switch those filters off. Every field is checked here, so a bad value fails at the caller, not on device."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -30,16 +49,25 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens} must be at least 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens={_show(self.max_tokens)} must be an integer, at least 1")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature={_show(self.temperature)} must be a finite number >= 0 (0 means greedy)")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={_show(self.top_p)} must be a number in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k={_show(self.top_k)} must be an integer >= -1 (0 or -1 switch it off)")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p={_show(self.min_p)} must be a number in [0, 1]")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
+            raise ValueError(f"seed={_show(self.seed)} must be None or an integer in [0, 2**32)")
+        if any(not isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop={self.stop!r}: stop strings must be str")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        bad = [t for t in self.stop_token_ids if not _is_int(t) or t < 0]
+        if bad:
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r}: {bad!r} must be integers >= 0")
 
 
 @struct.dataclass
@@ -57,12 +85,14 @@ class SamplingArrays:
     def from_params(cls, params: list[SamplingParams], batch: int, seeds: list[int]) -> SamplingArrays:
         pad = batch - len(params)
         col = lambda f, dt, fill: np.array([f(p) for p in params] + [fill] * pad, dt)  # noqa: E731
-        return cls(temperature=col(lambda p: p.temperature, np.float32, 0.0),
+        temperature = col(lambda p: p.temperature, np.float32, 0.0)
+        return cls(temperature=temperature,
                    top_k=col(lambda p: max(p.top_k, 0), np.int32, 0),
                    top_p=col(lambda p: p.top_p, np.float32, 1.0),
                    min_p=col(lambda p: p.min_p, np.float32, 0.0),
                    seed=np.array(list(seeds) + [0] * pad, np.uint32),
-                   all_greedy=np.array(all(p.temperature == 0 for p in params)))
+                   # in float32, as the device compares, so host and device agree on which rows are greedy
+                   all_greedy=np.array(bool((temperature < np.float32(GREEDY_BELOW)).all())))
 
 
 def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array) -> jax.Array:
@@ -71,23 +101,35 @@ def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array) -> jax.Ar
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     # The vocabulary sort below costs more than the argmax by far: skip it when every row is greedy.
     return jax.lax.cond(s.all_greedy, lambda: greedy,
-                        lambda: jnp.where(s.temperature > 0, _sample_filtered(logits, s, positions), greedy))
+                        lambda: jnp.where(s.temperature < GREEDY_BELOW, greedy,
+                                          _sample_filtered(logits, s, positions)))
 
 
-def _sample_filtered(logits: jax.Array, s: SamplingArrays, positions: jax.Array) -> jax.Array:
-    """Temperature, then top-k, top-p and min-p as one cut-off on the descending sort, then a draw."""
+def filter_logits(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """Logits [B, V] divided by the temperature, with the tokens that cannot be drawn set to -inf.
+
+    The order is vLLM v1's: temperature, then min_p (drop tokens less likely than min_p x the top token's
+    probability), then top-k, then top-p on what is left, renormalised; the top token always stays. One
+    descending sort serves all three filters: each keeps a prefix of it, so the kept set is a logit threshold.
+    """
     V = logits.shape[-1]
-    x = logits / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
+    x = logits / jnp.where(s.temperature < GREEDY_BELOW, 1.0, s.temperature)[:, None]
     ranked = -jnp.sort(-x, axis=-1)                                     # descending
     probs = jax.nn.softmax(ranked, axis=-1)
     rank = jnp.arange(V)[None, :]
-    keep = rank < jnp.where(s.top_k > 0, s.top_k, V)[:, None]
+    keep = probs >= s.min_p[:, None] * probs[:, :1]                     # min_p
+    keep &= rank < jnp.where(s.top_k > 0, s.top_k, V)[:, None]         # top-k
     kept = jnp.where(keep, probs, 0.0)
     kept = kept / kept.sum(-1, keepdims=True)
-    keep &= (jnp.cumsum(kept, axis=-1) - kept) < s.top_p[:, None]      # nucleus: mass before this token
-    keep &= probs >= s.min_p[:, None] * probs[:, :1]
+    # top-p: keep a token while the mass ranked before it is below top_p (top_p 1 keeps all, despite rounding)
+    keep &= ((jnp.cumsum(kept, axis=-1) - kept) < s.top_p[:, None]) | (s.top_p[:, None] >= 1)
     keep = keep.at[:, 0].set(True)
     threshold = jnp.take_along_axis(ranked, keep.sum(-1, keepdims=True) - 1, axis=-1)
-    x = jnp.where(x >= threshold, x, -jnp.inf)
+    return jnp.where(x >= threshold, x, -jnp.inf)
+
+
+def _sample_filtered(logits: jax.Array, s: SamplingArrays, positions: jax.Array) -> jax.Array:
+    """A draw from filter_logits with the key fold_in(key(seed), position) of each row."""
+    x = filter_logits(logits, s)
     keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.key(seed), pos))(s.seed, positions)
     return jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)

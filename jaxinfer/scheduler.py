@@ -5,7 +5,11 @@ prefill the next chunk of its prompt that fits. When pages run out, the newest r
 preempted: its pages are released and it goes back to the front of the queue, to be recomputed later
 from its prompt and the tokens it already produced (so its output is what it would have been). Waiting
 requests are admitted while budget, sequence slots and pages allow; their prompt's full pages are
-looked up in the prefix cache first, and only the rest is prefilled.
+looked up in the prefix cache first, and only the rest is prefilled. A request that cannot be admitted
+holds no pages.
+
+`schedule()` returns a plain `SchedulerOutput` (what to compute this step, nothing the device step has
+to ask a Request for); `update()` takes the sampled tokens back.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from jaxinfer.page_pool import PagePool, page_hashes
 from jaxinfer.sampling import SamplingParams
@@ -32,7 +36,7 @@ class Request:
     on_token: Callable[[Request, int, str], None] | None = None
     output: list[int] = dataclasses.field(default_factory=list)
     pages: list[int] = dataclasses.field(default_factory=list)
-    hashes: list[int] = dataclasses.field(default_factory=list)  # chained hashes of its full pages so far
+    hashes: list[bytes] = dataclasses.field(default_factory=list)  # chained keys of its full pages so far
     computed: int = 0                            # tokens whose keys/values are in the cache
     cached_tokens: int = 0                       # prompt tokens served from the prefix cache (last admission)
     finish_reason: str | None = None
@@ -66,7 +70,45 @@ class Request:
             self.on_token(self, token, delta)
 
 
-class Replica:
+@dataclasses.dataclass(frozen=True)
+class ScheduledSequence:
+    """One sequence's share of a step: compute `token_ids` at positions start.. and, if `samples`, draw the
+    token that follows them."""
+
+    request_id: str
+    token_ids: list[int]
+    start: int
+    pages: list[int]             # its page table: local page ids of the replica's pool
+    params: SamplingParams
+    seed: int
+    samples: bool                # these tokens reach the end of what is known: sample the next one
+    prefill: bool                # prompt (or recomputed) tokens, not a plain decode step
+
+    @property
+    def end(self) -> int:
+        """The sequence's KV length after this step."""
+        return self.start + len(self.token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOutput:
+    """What one replica computes in one step."""
+
+    sequences: list[ScheduledSequence]
+
+    def __bool__(self) -> bool:
+        return bool(self.sequences)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)
+
+    @property
+    def prefill(self) -> bool:
+        return any(s.prefill for s in self.sequences)
+
+
+class Scheduler:
     """The requests and pages of one dp replica."""
 
     def __init__(self, pool: PagePool, max_seqs: int, max_tokens: int):
@@ -74,13 +116,17 @@ class Replica:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.preemptions = 0
+        self._scheduled: list[Request] = []
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def schedule(self) -> list[tuple[Request, int]]:
-        """This step's (request, number of tokens to compute) pairs."""
-        P, budget, scheduled, preempted = self.pool.page_size, self.max_tokens, [], False
+    def add(self, r: Request) -> None:
+        self.waiting.append(r)
+
+    def schedule(self) -> SchedulerOutput:
+        """This step's work: running requests first, then admissions."""
+        budget, scheduled, preempted = self.max_tokens, [], False
         for r in list(self.running):
             if r not in self.running or budget == 0:
                 continue
@@ -93,20 +139,60 @@ class Replica:
                 budget -= n
         while self.waiting and not preempted and budget and len(self.running) < self.max_seqs:
             r = self.waiting[0]
-            if not r.pages:  # (re)admission: take what the prefix cache has, never the last token
-                full = (len(r.tokens) - 1) // P
-                r.hashes = page_hashes(r.tokens[: full * P], P)
-                r.pages = self.pool.lookup(r.hashes)
-                r.hashes = r.hashes[: len(r.pages)]
-                r.computed = r.cached_tokens = len(r.pages) * P
+            self._lookup_prefix(r)
             n = min(r.pending, budget)
             if not self._grow(r, n):
+                self._release(r)  # a request that is not admitted holds no pages
                 break
             self.waiting.popleft()
             self.running.append(r)
             scheduled.append((r, n))
             budget -= n
-        return scheduled
+        self._scheduled = [r for r, _ in scheduled]
+        return SchedulerOutput([self._describe(r, n) for r, n in scheduled])
+
+    def update(self, output: SchedulerOutput, sampled: Sequence[int]) -> list[Request]:
+        """After the device step: the scheduled tokens are in the cache, and each sequence that sampled
+        gets its token (sampled[i] for output.sequences[i]). Returns the requests that finished."""
+        finished = []
+        for r, seq, token in zip(self._scheduled, output.sequences, sampled, strict=False):
+            self._computed(r, len(seq.token_ids))
+            if seq.samples:
+                r.add_token(int(token))
+                if r.finish_reason:
+                    self.finish(r)
+                    finished.append(r)
+        self._scheduled = []
+        return finished
+
+    def preempt(self, r: Request) -> None:
+        self._release(r)
+        self.running.remove(r)
+        self.waiting.appendleft(r)
+        self.preemptions += 1
+
+    def finish(self, r: Request) -> None:
+        """Remove r (finished or aborted) and return its pages."""
+        self._release(r)
+        if r in self.running:
+            self.running.remove(r)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+
+    def _describe(self, r: Request, n: int) -> ScheduledSequence:
+        return ScheduledSequence(r.id, r.tokens[r.computed: r.computed + n], r.computed, list(r.pages), r.params,
+                                 r.seed, samples=n == r.pending, prefill=n > 1 or not r.output)
+
+    def _lookup_prefix(self, r: Request) -> None:
+        """(Re)admission: take the pages the prefix cache holds for r's tokens, never its last token."""
+        if r.pages:
+            return
+        P = self.pool.page_size
+        full = (len(r.tokens) - 1) // P
+        hashes = page_hashes(r.tokens[: full * P], P)
+        r.pages = self.pool.lookup(hashes)
+        r.hashes = hashes[: len(r.pages)]
+        r.computed = r.cached_tokens = len(r.pages) * P
 
     def _grow(self, r: Request, n: int) -> bool:
         """Give r the pages that n more tokens need."""
@@ -117,8 +203,8 @@ class Replica:
         r.pages += pages
         return True
 
-    def computed(self, r: Request, n: int) -> None:
-        """After the device step: n more tokens of r are in the cache; offer its new full pages."""
+    def _computed(self, r: Request, n: int) -> None:
+        """n more tokens of r are in the cache; offer its new full pages to the prefix cache."""
         r.computed += n
         P, done = self.pool.page_size, len(r.hashes)
         if (done + 1) * P <= r.computed:
@@ -126,19 +212,6 @@ class Replica:
             for page, h in zip(r.pages[done:], new, strict=False):
                 self.pool.register(page, h)
             r.hashes += new
-
-    def preempt(self, r: Request) -> None:
-        self._release(r)
-        self.running.remove(r)
-        self.waiting.appendleft(r)
-        self.preemptions += 1
-
-    def finish(self, r: Request) -> None:
-        self._release(r)
-        if r in self.running:
-            self.running.remove(r)
-        elif r in self.waiting:
-            self.waiting.remove(r)
 
     def _release(self, r: Request) -> None:
         self.pool.release(r.pages)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -34,18 +36,35 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 
+def _is_axes(x: Any) -> bool:
+    return x is None or (isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x))
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A mesh plus the rules table: turns logical axes into shardings."""
+    """A mesh plus the rules table: turns logical axes into shardings and shard_map specs.
+
+    Mesh axes of size 1 are left out of every spec: the placement is the same, and nothing inside a
+    shard_map then varies over them, so no collective over a one-device axis is ever emitted.
+    """
 
     mesh: jax.sharding.Mesh
     rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = tuple(RULES.items())
 
-    def spec(self, axes: Axes) -> PartitionSpec:
-        rules = dict(self.rules)
-        return PartitionSpec(*(rules[a] if a is not None else None for a in axes))
+    def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
+        """The mesh axes (of size > 1) that split a logical axis."""
+        entry = dict(self.rules)[logical] if logical is not None else None
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        return tuple(a for a in names if self.mesh.shape[a] > 1)
 
-    def sharding(self, axes: Axes) -> NamedSharding:
+    def spec(self, axes: Axes | None) -> PartitionSpec:
+        """None (or ()) is replicated."""
+        def entry(logical: str | None) -> str | tuple[str, ...] | None:
+            names = self.mesh_axes(logical)
+            return names[0] if len(names) == 1 else names or None
+        return PartitionSpec(*map(entry, axes or ()))
+
+    def sharding(self, axes: Axes | None) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(axes))
 
     def constrain(self, x: jax.Array, axes: Axes) -> jax.Array:
@@ -53,9 +72,19 @@ class Layout:
 
     def axis_size(self, logical: str) -> int:
         """How many shards a logical axis is split into."""
-        mesh_axes = dict(self.rules)[logical] or ()
-        mesh_axes = (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes
-        return math.prod(self.mesh.shape[a] for a in mesh_axes)
+        return math.prod(self.mesh.shape[a] for a in self.mesh_axes(logical))
+
+    def shard_map(self, fn: Callable, in_axes: tuple, out_axes: Any, *, check_vma: bool = True) -> Callable:
+        """`fn` run per device under jax.shard_map, its arguments and results named by logical axes.
+
+        in_axes holds one entry per argument: an axes tuple, None (replicated), or a pytree of those
+        matching the argument; out_axes likewise for the result.
+        """
+        def specs(tree: Any) -> Any:
+            return jax.tree.map(self.spec, tree, is_leaf=_is_axes)
+
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=tuple(map(specs, in_axes)), out_specs=specs(out_axes),
+                             check_vma=check_vma)
 
 
 def device_bytes(tree, device: jax.Device) -> int:

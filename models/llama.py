@@ -1,88 +1,80 @@
-"""The Llama decoder (Llama 1-3.x, Mistral, Qwen2 with q/k/v biases, Qwen3 with q/k RMSNorm).
+"""The Llama decoder family: Llama 1-3.x, Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm), and the
+mixture-of-experts Mixtral and Qwen3-MoE. One block, as in the papers:
 
-Layer weights are stacked along a leading "layers" axis and the forward pass scans over them. The
-model names dimensions logically; `layout.constrain` maps them to the mesh through the rules table.
+    h = x + Attention(RMSNorm(x)),   out = h + FFN(RMSNorm(h)),   FFN = SwiGLU MLP or a mixture of them
+
+Dimensions are named logically (`ACTIVATIONS`, the ParamSpec axes); jaxinfer.sharding maps them onto the
+mesh, and the StepContext runs attention and the experts wherever they live.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
-from jaxinfer.attention import StepMetadata, paged_attention, rope_and_store
 from jaxinfer.checkpoint import ParamSpec
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ConfigError, ModelConfig, decoder_fields
 from jaxinfer.kv_cache import PagedKVCache
-from jaxinfer.moe import moe
-from jaxinfer.sharding import Layout
+from jaxinfer.layers import ACTIVATIONS, StepContext, Weights, stack_layers
+from jaxinfer.models.base import Model, register
 
 LAYER = "model.layers.{layer}."
+W = Any  # a jax.Array once loaded, its ParamSpec before; None where the architecture has no such weight
 
 
-def param_specs(cfg: ModelConfig, kv_repeat: int = 1, vocab_multiple: int = 1) -> dict[str, ParamSpec]:
-    """Our layout of every weight, its logical axes, and where it lives in a Hugging Face checkpoint.
-    The vocabulary is padded with zero rows to a multiple of `vocab_multiple` (tp) so that it splits evenly."""
-    E, M, H, KV, D, L, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
-                            cfg.head_dim, cfg.num_layers, cfg.vocab_size)
-    Vp = -(-V // vocab_multiple) * vocab_multiple
-    vocab_pad = (0, V) if Vp != V else None
-    KVr = KV * kv_repeat
-    attn = LAYER + "self_attn."
-    specs = {
-        "embed": ParamSpec((Vp, E), ("vocab", "embed"), "model.embed_tokens.weight", pad=vocab_pad),
-        "final_norm": ParamSpec((E,), ("embed",), "model.norm.weight"),
-        "lm_head": ParamSpec((E, Vp), ("embed", "vocab"),
-                             "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight",
-                             perm=(1, 0), pad=vocab_pad and (1, V)),
-        "attn_norm": ParamSpec((L, E), ("layers", "embed"), LAYER + "input_layernorm.weight"),
-        "mlp_norm": ParamSpec((L, E), ("layers", "embed"), LAYER + "post_attention_layernorm.weight"),
-        "wq": ParamSpec((L, E, H, D), ("layers", "embed", "heads", "head_dim"), attn + "q_proj.weight",
-                        view=((H, D), (E,)), perm=(2, 0, 1)),
-        "wk": ParamSpec((L, E, KVr, D), ("layers", "embed", "kv_heads", "head_dim"), attn + "k_proj.weight",
-                        view=((KV, D), (E,)), perm=(2, 0, 1), repeat=(1, kv_repeat)),
-        "wv": ParamSpec((L, E, KVr, D), ("layers", "embed", "kv_heads", "head_dim"), attn + "v_proj.weight",
-                        view=((KV, D), (E,)), perm=(2, 0, 1), repeat=(1, kv_repeat)),
-        "wo": ParamSpec((L, H, D, E), ("layers", "heads", "head_dim", "embed"), attn + "o_proj.weight",
-                        view=((E,), (H, D)), perm=(1, 2, 0)),
-    }
-    dense, sparse = cfg.mlp_layers, cfg.moe_layers
-    if dense:
-        Ld = len(dense)
-        specs |= {
-            "w_gate": ParamSpec((Ld, E, M), ("layers", "embed", "mlp"), LAYER + "mlp.gate_proj.weight", perm=(1, 0),
-                                layer_ids=dense),
-            "w_up": ParamSpec((Ld, E, M), ("layers", "embed", "mlp"), LAYER + "mlp.up_proj.weight", perm=(1, 0),
-                              layer_ids=dense),
-            "w_down": ParamSpec((Ld, M, E), ("layers", "mlp", "embed"), LAYER + "mlp.down_proj.weight",
-                                perm=(1, 0), layer_ids=dense),
-        }
-    if sparse:
-        Ls, X, Mx = len(sparse), cfg.num_experts, cfg.moe_intermediate_size
-        mixtral = cfg.architecture == "MixtralForCausalLM"
-        block = LAYER + ("block_sparse_moe." if mixtral else "mlp.")
-        gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
-        expert = block + "experts.{expert}.%s.weight"
-        specs |= {
-            "router": ParamSpec((Ls, E, X), ("layers", "embed", None), block + "gate.weight", perm=(1, 0),
-                                layer_ids=sparse),
-            "e_gate": ParamSpec((Ls, X, E, Mx), ("layers", "experts", "embed", "mlp"), expert % gate, perm=(1, 0),
-                                layer_ids=sparse),
-            "e_up": ParamSpec((Ls, X, E, Mx), ("layers", "experts", "embed", "mlp"), expert % up, perm=(1, 0),
-                              layer_ids=sparse),
-            "e_down": ParamSpec((Ls, X, Mx, E), ("layers", "experts", "mlp", "embed"), expert % down, perm=(1, 0),
-                                layer_ids=sparse),
-        }
-    if cfg.qkv_bias:
-        specs["bq"] = ParamSpec((L, H, D), ("layers", "heads", "head_dim"), attn + "q_proj.bias", view=((H, D),))
-        for name, hf in (("bk", "k_proj.bias"), ("bv", "v_proj.bias")):
-            specs[name] = ParamSpec((L, KVr, D), ("layers", "kv_heads", "head_dim"), attn + hf,
-                                    view=((KV, D),), repeat=(0, kv_repeat))
-    if cfg.qk_norm:
-        specs["q_norm"] = ParamSpec((L, D), ("layers", "head_dim"), attn + "q_norm.weight")
-        specs["k_norm"] = ParamSpec((L, D), ("layers", "head_dim"), attn + "k_norm.weight")
-    return specs
+@struct.dataclass
+class Attention:
+    q: W                # [E, H, D]
+    k: W                # [E, KV, D]
+    v: W                # [E, KV, D]
+    o: W                # [H, D, E]
+    q_bias: W = None    # [H, D]
+    k_bias: W = None    # [KV, D]
+    v_bias: W = None    # [KV, D]
+    o_bias: W = None    # [E]
+    q_norm: W = None    # [D] (Qwen3)
+    k_norm: W = None    # [D]
+
+
+@struct.dataclass
+class MLP:
+    gate: W             # [E, M]
+    up: W               # [E, M]
+    down: W             # [M, E]
+    gate_bias: W = None  # [M]
+    up_bias: W = None    # [M]
+    down_bias: W = None  # [E]
+
+
+@struct.dataclass
+class Experts:
+    router: W           # [E, X]
+    gate: W             # [X, E, M]
+    up: W               # [X, E, M]
+    down: W             # [X, M, E]
+
+
+@struct.dataclass
+class Layer:
+    attn_norm: W        # [E]
+    attn: Attention
+    mlp_norm: W         # [E]
+    mlp: MLP | Experts
+
+
+@struct.dataclass
+class Embedding:
+    table: W            # [V, E]
+
+
+@struct.dataclass
+class Head:
+    norm: W             # [E]
+    lm_head: W          # [E, V]
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -111,70 +103,205 @@ def rope_frequencies(cfg: ModelConfig) -> jax.Array:
     return inv
 
 
-MLP_KEYS, MOE_KEYS, TOP_KEYS = ("w_gate", "w_up", "w_down"), ("router", "e_gate", "e_up", "e_down"), \
-    ("embed", "final_norm", "lm_head")
+def _num_experts(c: dict[str, Any]) -> int:
+    """Mixtral's num_local_experts or Qwen3-MoE's num_experts (checkpoints use either)."""
+    n = c.get("num_local_experts") or c.get("num_experts")
+    if not n:
+        raise KeyError("num_experts")
+    return n
 
 
-def forward(params: dict, tokens: jax.Array, cache: PagedKVCache, meta: StepMetadata, cfg: ModelConfig,
-            layout: Layout) -> tuple[jax.Array, PagedKVCache, dict]:
-    """One step over a flat ragged batch. tokens: [R, N] (R data-parallel replicas, N tokens each, at
-    meta.positions). Writes their keys/values into the paged cache; returns the final hidden states
-    [R, N, E], the cache, and for MoE models the tokens routed to each expert ([MoE layers, R, experts])."""
-    act = ("batch", "seq", "embed")
-    x = layout.constrain(params["embed"][tokens], act)
-    inv_freq = rope_frequencies(cfg)
-    valid = jnp.arange(tokens.shape[1])[None] < jnp.take_along_axis(meta.query_start, meta.num_seqs[:, None], 1)
-
-    def attention_block(x, cache, p, i):
-        h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-        q = jnp.einsum("bte,ehd->bthd", h, p["wq"])
-        k = jnp.einsum("bte,ehd->bthd", h, p["wk"])
-        v = jnp.einsum("bte,ehd->bthd", h, p["wv"])
-        if cfg.qkv_bias:
-            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-        if cfg.qk_norm:
-            q, k = rms_norm(q, p["q_norm"], cfg.rms_norm_eps), rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-        q, cache = rope_and_store(q, k, v, cache, i, meta, inv_freq, layout)
-        o = paged_attention(q, cache, i, meta, layout)
-        x = x + layout.constrain(jnp.einsum("bthd,hde->bte", o, p["wo"]), act)   # all-reduce over tp
-        return x, cache, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-
-    def mlp(h, p):
-        gated = jax.nn.silu(jnp.einsum("bte,em->btm", h, p["w_gate"])) * jnp.einsum("bte,em->btm", h, p["w_up"])
-        return jnp.einsum("btm,me->bte", gated, p["w_down"]), None             # all-reduce over tp follows
-
-    def mixture(h, p):                                                          # all-to-all over ep, twice
-        return moe(h, p["router"], p["e_gate"], p["e_up"], p["e_down"], valid, top_k=cfg.experts_per_token,
-                   normalize=cfg.norm_topk_prob, layout=layout)
-
-    def layer(carry, xs):
-        x, cache = carry
-        p, ffn_params, i, sparse = xs
-        x, cache, h = attention_block(x, cache, p, i)
-        y, counts = (mixture if sparse else mlp)(h, ffn_params)
-        return (x + layout.constrain(y, act), cache), counts
-
-    pick = lambda keys, ids=slice(None): {k: params[k][ids] for k in keys if k in params}  # noqa: E731
-    attn_keys = [k for k in params if k not in (*TOP_KEYS, *MLP_KEYS, *MOE_KEYS)]
-    sparse = bool(cfg.moe_layers)
-    if not cfg.moe_layers or not cfg.mlp_layers:   # every layer alike: one scan, compile time flat in depth
-        scan_layer = lambda carry, xs: layer(carry, (*xs, sparse))  # noqa: E731
-        ffn = pick(MOE_KEYS if sparse else MLP_KEYS)
-        (x, cache), counts = jax.lax.scan(scan_layer, (x, cache),
-                                          (pick(attn_keys), ffn, jnp.arange(cfg.num_layers)))
-        aux = {"expert_counts": counts} if sparse else {}
-    else:                                          # dense and MoE layers mixed: unrolled
-        counts = []
-        for i in range(cfg.num_layers):
-            sparse = i in cfg.moe_layers
-            own = cfg.moe_layers.index(i) if sparse else cfg.mlp_layers.index(i)
-            (x, cache), c = layer((x, cache), (pick(attn_keys, i), pick(MOE_KEYS if sparse else MLP_KEYS, own),
-                                               jnp.int32(i), sparse))
-            counts += [c] if sparse else []
-        aux = {"expert_counts": jnp.stack(counts)}
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache, aux
+def _optional(present: bool, spec: ParamSpec) -> ParamSpec | None:
+    return spec if present else None
 
 
-def lm_head(params: dict, h: jax.Array) -> jax.Array:
-    """float32 logits over the (vocabulary-parallel) LM head."""
-    return jnp.einsum("...e,ev->...v", h, params["lm_head"], preferred_element_type=jnp.float32)
+@register("LlamaForCausalLM")
+class Llama(Model):
+    """Llama; `attention_bias` adds biases to q/k/v/o, `mlp_bias` to gate/up/down (as transformers does)."""
+
+    sliding_window_by_default = False  # see config.decoder_fields
+    experts_prefix = "mlp."            # where an MoE block's tensors live under model.layers.{layer}.
+    expert_names = ("gate_proj", "up_proj", "down_proj")
+
+    @classmethod
+    def config(cls, c: dict[str, Any]) -> ModelConfig:
+        bias = bool(c.get("attention_bias", False))
+        return ModelConfig(**cls._fields(c), qkv_bias=bias, o_bias=bias, mlp_bias=bool(c.get("mlp_bias", False)))
+
+    @classmethod
+    def _fields(cls, c: dict[str, Any]) -> dict[str, Any]:
+        fields = decoder_fields(c, sliding_window=cls.sliding_window_by_default)
+        if fields["hidden_act"] not in ("silu", "swish"):
+            raise ConfigError(f"hidden_act={fields['hidden_act']!r}: this architecture's MLP is SwiGLU (silu); "
+                              f"register a Model subclass for another activation (jaxinfer.models.register)")
+        return fields
+
+    # ---- weights ----------------------------------------------------------------------------------
+    def weights(self, *, kv_repeat: int = 1, vocab_multiple: int = 1) -> Weights:
+        cfg = self.cfg
+        E, V = cfg.hidden_size, cfg.vocab_size
+        Vp = -(-V // vocab_multiple) * vocab_multiple
+        pad = (0, V) if Vp != V else None
+        embed = Embedding(ParamSpec((Vp, E), ("vocab", "embed"), "model.embed_tokens.weight", pad=pad))
+        head = Head(norm=ParamSpec((E,), ("embed",), "model.norm.weight"),
+                    lm_head=ParamSpec((E, Vp), ("embed", "vocab"),
+                                      "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight",
+                                      perm=(1, 0), pad=pad and (1, V)))
+        sparse = set(cfg.moe_layers)
+        layers = stack_layers(cfg.num_layers, lambda i: i in sparse,
+                              lambda moe: self.layer_weights(kv_repeat, moe))
+        return Weights(embed=embed, layers=layers, head=head)
+
+    def layer_weights(self, kv_repeat: int, moe: bool) -> Layer:
+        E = self.cfg.hidden_size
+        norm = lambda name: ParamSpec((E,), ("embed",), LAYER + name)  # noqa: E731
+        return Layer(attn_norm=norm("input_layernorm.weight"), attn=self.attention_weights(kv_repeat),
+                     mlp_norm=norm("post_attention_layernorm.weight"),
+                     mlp=self.expert_weights() if moe else self.mlp_weights())
+
+    def attention_weights(self, kv_repeat: int) -> Attention:
+        cfg = self.cfg
+        E, H, KV, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        KVr, a = KV * kv_repeat, LAYER + "self_attn."
+        kv = lambda name: ParamSpec((E, KVr, D), ("embed", "kv_heads", "head_dim"), a + name,  # noqa: E731
+                                    view=((KV, D), (E,)), perm=(2, 0, 1), repeat=(1, kv_repeat))
+        kv_bias = lambda name: ParamSpec((KVr, D), ("kv_heads", "head_dim"), a + name,  # noqa: E731
+                                         view=((KV, D),), repeat=(0, kv_repeat))
+        return Attention(
+            q=ParamSpec((E, H, D), ("embed", "heads", "head_dim"), a + "q_proj.weight", view=((H, D), (E,)),
+                        perm=(2, 0, 1)),
+            k=kv("k_proj.weight"), v=kv("v_proj.weight"),
+            o=ParamSpec((H, D, E), ("heads", "head_dim", "embed"), a + "o_proj.weight", view=((E,), (H, D)),
+                        perm=(1, 2, 0)),
+            q_bias=_optional(cfg.qkv_bias, ParamSpec((H, D), ("heads", "head_dim"), a + "q_proj.bias",
+                                                     view=((H, D),))),
+            k_bias=_optional(cfg.qkv_bias, kv_bias("k_proj.bias")),
+            v_bias=_optional(cfg.qkv_bias, kv_bias("v_proj.bias")),
+            o_bias=_optional(cfg.o_bias, ParamSpec((E,), ("embed",), a + "o_proj.bias")),
+            q_norm=_optional(cfg.qk_norm, ParamSpec((D,), ("head_dim",), a + "q_norm.weight")),
+            k_norm=_optional(cfg.qk_norm, ParamSpec((D,), ("head_dim",), a + "k_norm.weight")),
+        )
+
+    def mlp_weights(self) -> MLP:
+        cfg, m = self.cfg, LAYER + "mlp."
+        E, M = cfg.hidden_size, cfg.intermediate_size
+        column = lambda name: ParamSpec((E, M), ("embed", "mlp"), m + name, perm=(1, 0))  # noqa: E731
+        return MLP(gate=column("gate_proj.weight"), up=column("up_proj.weight"),
+                   down=ParamSpec((M, E), ("mlp", "embed"), m + "down_proj.weight", perm=(1, 0)),
+                   gate_bias=_optional(cfg.mlp_bias, ParamSpec((M,), ("mlp",), m + "gate_proj.bias")),
+                   up_bias=_optional(cfg.mlp_bias, ParamSpec((M,), ("mlp",), m + "up_proj.bias")),
+                   down_bias=_optional(cfg.mlp_bias, ParamSpec((E,), ("embed",), m + "down_proj.bias")))
+
+    def expert_weights(self) -> Experts:
+        cfg = self.cfg
+        E, X, M = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        block = LAYER + self.experts_prefix
+        expert = lambda name, shape, axes: ParamSpec(  # noqa: E731
+            (X, *shape), ("experts", *axes), block + "experts.{expert}." + name + ".weight", perm=(1, 0))
+        gate, up, down = self.expert_names
+        return Experts(router=ParamSpec((E, X), ("embed", None), block + "gate.weight", perm=(1, 0)),
+                       gate=expert(gate, (E, M), ("embed", "mlp")), up=expert(up, (E, M), ("embed", "mlp")),
+                       down=expert(down, (M, E), ("mlp", "embed")))
+
+    # ---- stage functions ---------------------------------------------------------------------------
+    def embed(self, w: Embedding, tokens: jax.Array, ctx: StepContext) -> jax.Array:
+        return ctx.constrain(w.table[tokens], ACTIVATIONS)   # vocabulary-parallel: an all-reduce over tp
+
+    def layer(self, w: Layer, x: jax.Array, cache: PagedKVCache, layer: jax.Array,
+              ctx: StepContext) -> tuple[jax.Array, PagedKVCache, jax.Array | None]:
+        eps = self.cfg.rms_norm_eps
+        o, cache = self.attention(w.attn, rms_norm(x, w.attn_norm, eps), cache, layer, ctx)
+        x = x + o
+        y, counts = self.ffn(w.mlp, rms_norm(x, w.mlp_norm, eps), ctx)
+        return x + y, cache, counts
+
+    def head(self, w: Head, h: jax.Array, ctx: StepContext) -> jax.Array:
+        h = rms_norm(h, w.norm, self.cfg.rms_norm_eps)
+        return jnp.einsum("...e,ev->...v", h, w.lm_head, preferred_element_type=jnp.float32)
+
+    # ---- the block's parts -------------------------------------------------------------------------
+    def attention(self, w: Attention, h: jax.Array, cache: PagedKVCache, layer: jax.Array,
+                  ctx: StepContext) -> tuple[jax.Array, PagedKVCache]:
+        eps = self.cfg.rms_norm_eps
+        q, k, v = (jnp.einsum("bte,ehd->bthd", h, p) for p in (w.q, w.k, w.v))
+        if w.q_bias is not None:
+            q, k, v = q + w.q_bias, k + w.k_bias, v + w.v_bias
+        if w.q_norm is not None:
+            q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
+        o, cache = ctx.attention(q, k, v, cache, layer, rope_frequencies(self.cfg))
+        out = ctx.constrain(jnp.einsum("bthd,hde->bte", o, w.o), ACTIVATIONS)   # row-parallel: all-reduce over tp
+        return (out if w.o_bias is None else out + w.o_bias), cache
+
+    def ffn(self, w: MLP | Experts, h: jax.Array, ctx: StepContext) -> tuple[jax.Array, jax.Array | None]:
+        if isinstance(w, Experts):                                               # all-to-all over ep, twice
+            y, counts = ctx.moe(h, w.router, w.gate, w.up, w.down, top_k=self.cfg.experts_per_token,
+                                normalize=self.cfg.norm_topk_prob)
+            return ctx.constrain(y, ACTIVATIONS), counts
+        return self.mlp(w, h, ctx), None
+
+    def mlp(self, w: MLP, h: jax.Array, ctx: StepContext) -> jax.Array:
+        gate, up = jnp.einsum("bte,em->btm", h, w.gate), jnp.einsum("bte,em->btm", h, w.up)
+        if w.gate_bias is not None:
+            gate, up = gate + w.gate_bias, up + w.up_bias
+        out = ctx.constrain(jnp.einsum("btm,me->bte", jax.nn.silu(gate) * up, w.down), ACTIVATIONS)  # all-reduce
+        return out if w.down_bias is None else out + w.down_bias
+
+
+@register("MistralForCausalLM")
+class Mistral(Llama):
+    """The Llama block without biases; the context is capped at `sliding_window` where one is set."""
+
+    sliding_window_by_default = True
+
+    @classmethod
+    def config(cls, c: dict[str, Any]) -> ModelConfig:
+        return ModelConfig(**cls._fields(c))
+
+
+@register("Qwen2ForCausalLM")
+class Qwen2(Llama):
+    """Biases on q/k/v (never on o or the MLP)."""
+
+    @classmethod
+    def config(cls, c: dict[str, Any]) -> ModelConfig:
+        return ModelConfig(**cls._fields(c), qkv_bias=True)
+
+
+@register("Qwen3ForCausalLM")
+class Qwen3(Llama):
+    """RMSNorm on each q and k head before RoPE; `attention_bias` on q/k/v/o; explicit head_dim."""
+
+    @classmethod
+    def config(cls, c: dict[str, Any]) -> ModelConfig:
+        bias = bool(c.get("attention_bias", False))
+        return ModelConfig(**cls._fields(c), qkv_bias=bias, o_bias=bias, qk_norm=True)
+
+
+@register("MixtralForCausalLM")
+class Mixtral(Mistral):
+    """Every layer a mixture: softmax over the experts, top-k, renormalised over the chosen ones."""
+
+    experts_prefix = "block_sparse_moe."
+    expert_names = ("w1", "w3", "w2")
+
+    @classmethod
+    def config(cls, c: dict[str, Any]) -> ModelConfig:
+        return ModelConfig(**cls._fields(c), num_experts=_num_experts(c),
+                           experts_per_token=c["num_experts_per_tok"], moe_intermediate_size=c["intermediate_size"],
+                           norm_topk_prob=True)
+
+
+@register("Qwen3MoeForCausalLM")
+class Qwen3Moe(Qwen3):
+    """Qwen3 attention; softmax over all experts then top-k, `norm_topk_prob` on or off; dense layers where
+    `mlp_only_layers` or `decoder_sparse_step` say."""
+
+    @classmethod
+    def config(cls, c: dict[str, Any]) -> ModelConfig:
+        step = c.get("decoder_sparse_step") or 1
+        dense = {i for i in range(c["num_hidden_layers"]) if (i + 1) % step or i in (c.get("mlp_only_layers") or [])}
+        bias = bool(c.get("attention_bias", False))
+        return ModelConfig(**cls._fields(c), qkv_bias=bias, o_bias=bias, qk_norm=True,
+                           num_experts=_num_experts(c), experts_per_token=c["num_experts_per_tok"],
+                           moe_intermediate_size=c.get("moe_intermediate_size") or c["intermediate_size"],
+                           norm_topk_prob=bool(c.get("norm_topk_prob", False)), dense_layers=tuple(sorted(dense)))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -47,6 +48,9 @@ def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
     Each iteration gathers page j of every token's sequence ([N, KV, P, D]); the loop stops at the last
     page any real token needs, so short steps do not pay for `max_pages`.
     """
+    chex.assert_rank([q, k_pages, page_table, seq_lens, query_start], [3, 5, 2, 1, 1])
+    chex.assert_equal_shape([k_pages, v_pages])
+    chex.assert_shape(query_start, (seq_lens.shape[0] + 1,))
     n, h, d = q.shape
     _, kv, num_pages, page, _ = k_pages.shape
     seq, pos, valid = _token_map(seq_lens, query_start, num_seqs, n)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -53,6 +54,10 @@ def rope_and_write_reference(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: 
                              layer: jax.Array | int, positions: jax.Array, slots: jax.Array,
                              inv_freq: jax.Array) -> Arrays3:
     """Pure jax.numpy: RoPE, then one scatter per pool (mode="drop"), so a donated pool is updated in place."""
+    chex.assert_rank([q, k, v, k_pages, v_pages, positions, slots], [3, 3, 3, 5, 5, 1, 1])
+    chex.assert_equal_shape([k, v])
+    chex.assert_equal_shape([k_pages, v_pages])
+    chex.assert_equal_shape([positions, slots])
     angles = positions.astype(jnp.float32)[:, None] * inv_freq.astype(jnp.float32)[None, :]   # [N, D/2]
     cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
     q_rot, k_rot = _rope(q, cos, sin), _rope(k, cos, sin)

@@ -3,6 +3,9 @@
 import json
 import math
 
+import numpy as np
+import pytest
+
 from jaxinfer import bench
 from jaxinfer.config import ModelConfig
 from jaxinfer.random_model import DEFAULT, write_random_checkpoint
@@ -39,8 +42,20 @@ def test_bench_json_counts(tmp_path, capsys):
         for key in ("prefill_tokens_per_second", "decode_tokens_per_second", "decode_ms_per_token",
                     "decode_bandwidth_gbps", "compile_seconds"):
             assert x[key] > 0 and math.isfinite(x[key]), key
-        assert x["collectives"]["decode"]["all-reduce"]["count"] > 0  # tp=2: Megatron all-reduces per layer
-    assert "all-reduce" in bench.readable(r)
+        # tp=2: per layer one all-reduce after attention and one after the MLP, and one for the embedding; the
+        # decode step's activations are [b, hidden] float32 (each request on the one replica)
+        ar = x["collectives"]["decode"]["all-reduce"]
+        assert ar == {"count": 2 * cfg.num_layers + 1, "bytes": (2 * cfg.num_layers + 1) * b * cfg.hidden_size * f32}
+    text = bench.readable(r).splitlines()
+    for x in r["results"]:     # the table shows the JSON's figures, formatted as bench.readable formats them
+        ar = x["collectives"]["decode"]["all-reduce"]
+        assert f"batch {x['batch']}: decode step all-reduce {ar['count']} x, {ar['bytes']:,} bytes per device" in text
+        row = next(line.split() for line in text if line.split()[:1] == [str(x["batch"])])
+        assert row == [str(x["batch"]), f"{x['prefill_tokens_per_second']:.1f}", f"{x['decode_tokens_per_second']:.1f}",
+                       f"{x['decode_ms_per_token']:.2f}", f"{x['decode_bandwidth_gbps']:.2f}", f"{x['mbu']:.1%}",
+                       f"{x['compile_seconds']:.1f}"]
+    assert f"W = {expected_w / 2**20:.1f} MiB of weight shards read per step" in text[2]
+    assert text[1].startswith(f"mesh      tp=2 on 2 {r['platform']} device(s); prompt 16 tokens, 4 generated")
 
 
 TINY_MOE = {**DEFAULT, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 64,
@@ -78,9 +93,24 @@ def test_bench_moe_all_to_all_and_expert_load(tmp_path, capsys):
     assert a2a["decode"]["run_steps"] == 3 - 1 and a2a["prefill"]["run_steps"] == 1
 
     load = x["moe"]
-    assert len(load["imbalance"]) == L and all(v >= 1 for v in load["imbalance"])
-    assert load["imbalance_max"] >= 1 and load["imbalance_mean"] >= 1
-    routed = x["prefill_tokens"] + x["decode_tokens"]   # every token a step computed, each sent to k experts
-    assert [sum(layer) for layer in load["tokens_per_expert"]] == [routed * k] * L
-    text = bench.readable(r)
-    assert "all-to-all" in text and "imbalance" in text
+    counts = np.asarray(load["tokens_per_expert"], np.float64)
+    assert counts.shape == (L, cfg.num_experts)
+    # The measured run computed every prompt token and the first max_tokens - 1 sampled tokens of each
+    # sequence (the warm-up run's load is subtracted); each was sent to k experts in every MoE layer.
+    routed = x["prefill_tokens"] + x["decode_tokens"]
+    assert routed == 2 * 8 + 2 * (3 - 1)
+    assert counts.sum(axis=1).tolist() == [routed * k] * L
+    imbalance = (counts.max(axis=1) / counts.mean(axis=1)).tolist()
+    assert load["imbalance"] == pytest.approx(imbalance, rel=1e-12)
+    assert load["imbalance_max"] == pytest.approx(max(imbalance), rel=1e-12)
+    assert load["imbalance_mean"] == pytest.approx(sum(imbalance) / L, rel=1e-12)
+
+    text = bench.readable(r).splitlines()
+    for phase, n in (("prefill", 8), ("decode", 1)):
+        a = a2a[phase]
+        row = next(line.split() for line in text if line.split()[:2] == ["2", phase])
+        assert row == ["2", phase, str(2 * L), f"{a['bytes_per_device']:,}", f"{ep * n}/{ep * n}",
+                       f"{a['bytes_per_token_per_layer']:,.1f}", f"{a['analytical_bytes_per_token_per_layer']:,}",
+                       f"{a['ratio']:.3f}", f"{a['run_ratio']:.3f}"]
+    shown = " ".join(f"{v:.2f}" for v in imbalance)
+    assert f"batch 2: expert load imbalance (max/mean per layer) {shown} (max {max(imbalance):.2f})" in text

@@ -4,6 +4,7 @@ import json
 import math
 
 from jaxinfer import bench_serving
+from jaxinfer.config import ModelConfig
 from jaxinfer.random_model import DEFAULT, write_random_checkpoint
 
 TINY = {**DEFAULT, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -36,4 +37,23 @@ def test_bench_serving_json(tmp_path, capsys):
     assert 0 < r["peak_pages_in_use"] <= r["pool_pages"] == 24
     assert r["compilations_measured"] == 0 and r["compilations_total"] > 0
     assert r["preemptions"] > 0
-    assert "Serving Benchmark Result" in bench_serving.readable(r)
+    assert r["num_params"] == ModelConfig.from_dict(TINY).num_params() and r["max_tokens_per_step"] == 16
+
+    # the readable block shows the JSON's figures, one "label  value" row each
+    lines = bench_serving.readable(r).splitlines()
+    assert "Serving Benchmark Result" in lines[0] and set(lines[-1]) == {"="}
+    rows = {line[:38].strip(): line[38:] for line in lines[1:-1]}
+    assert rows["Requests (rate/s)"] == "8/8 (inf)"
+    assert rows["Prompt / output len ranges"] == "[8, 40] / [2, 12]"
+    assert rows["Prompt / output tokens"] == f"{r['prompt_tokens']} / {r['output_tokens']}"
+    assert rows["Preemptions / steps"] == f"{r['preemptions']} / {r['steps']}"
+    assert rows["Prefix cache hits / queries (pages)"] == f"{r['prefix_cache_hits']} / {r['prefix_cache_queries']}"
+    assert rows["Peak pages in use / pool"] == f"{r['peak_pages_in_use']} / 24"
+    assert rows["Compilations measured (total)"].startswith(f"0 ({r['compilations_total']}), ")
+    assert rows["Request throughput (req/s)"] == f"{r['request_throughput']:.2f}"
+    assert rows["Output token throughput (tok/s)"] == f"{r['output_throughput']:.1f}"
+    for key, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL")):
+        x = r[key]
+        assert rows[f"{label} mean/median/p99 (ms)"] == f"{x['mean_ms']:.1f} / {x['median_ms']:.1f} / {x['p99_ms']:.1f}"
+    assert rows["KV util paged / contiguous"].startswith(
+        f"{r['kv_utilisation_paged']:.1%} / {r['kv_utilisation_contiguous']:.1%}")

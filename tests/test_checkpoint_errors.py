@@ -14,32 +14,44 @@ from safetensors.numpy import load_file, save_file
 
 import jaxinfer.llm
 from jaxinfer import LLM
-from jaxinfer.checkpoint import Checkpoint, CheckpointError, SafetensorsFile
+from jaxinfer.checkpoint import Checkpoint, CheckpointError, SafetensorsFile, named_specs
 from jaxinfer.config import ConfigError, ModelConfig
+from jaxinfer.layers import Weights
 from jaxinfer.mesh import MeshConfig
-from jaxinfer.models import llama
+from jaxinfer.models import model_for
 from jaxinfer.sharding import Layout, kv_head_repeat
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared/fixtures/hf-tiny"
 ST = "model.safetensors"
 
 
-def copy_fixture(name: str, dst: Path) -> Path:
+def copy_fixture(src: Path, dst: Path) -> Path:
     """A writable copy (the fixtures are read-only, and copytree would keep that)."""
     dst.mkdir(parents=True)
-    for f in (FIXTURES / name).iterdir():
+    for f in src.iterdir():
         shutil.copyfile(f, dst / f.name)
     return dst
 
 
 @pytest.fixture
-def llama_dir(tmp_path) -> Path:
-    return copy_fixture("llama", tmp_path / "llama")
+def llama_dir(tmp_path, hf_tiny) -> Path:
+    return copy_fixture(hf_tiny / "llama", tmp_path / "llama")
 
 
 @pytest.fixture
-def qwen2_dir(tmp_path) -> Path:
-    return copy_fixture("qwen2", tmp_path / "qwen2")
+def qwen2_dir(tmp_path, hf_tiny) -> Path:
+    return copy_fixture(hf_tiny / "qwen2", tmp_path / "qwen2")
+
+
+def weight_specs(cfg: ModelConfig, kv_repeat: int = 1) -> Weights:
+    """The model's weights as ParamSpecs (what LLM loads)."""
+    return model_for(cfg).weights(kv_repeat=kv_repeat)
+
+
+def layer_specs(cfg: ModelConfig, kv_repeat: int = 1):
+    """The one LayerStack of a dense model: every layer's weights stacked on a leading "layers" axis."""
+    [stack] = weight_specs(cfg, kv_repeat).layers
+    assert stack.first == 0 and stack.size == cfg.num_layers
+    return stack.weights
 
 
 @pytest.fixture(autouse=True)
@@ -129,7 +141,7 @@ def test_missing_tensor(llama_dir):
     rewrite(llama_dir / ST, lambda t: t.pop(name))
     with pytest.raises(CheckpointError) as e:
         LLM(llama_dir, dtype="float32")
-    assert f"'{name}'" in message(e) and "w_up" in message(e)
+    assert f"'{name}'" in message(e) and "(needed for layers.0.weights.mlp.up)" in message(e)
 
 
 def test_missing_lm_head(llama_dir):
@@ -286,9 +298,9 @@ def raw_tensors(path: Path) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def llama_fixture():
-    cfg = ModelConfig.from_dir(FIXTURES / "llama")
-    return cfg, Checkpoint(FIXTURES / "llama"), load_file(str(FIXTURES / "llama" / ST))
+def llama_fixture(hf_tiny):
+    cfg = ModelConfig.from_dir(hf_tiny / "llama")
+    return cfg, Checkpoint(hf_tiny / "llama"), load_file(str(hf_tiny / "llama" / ST))
 
 
 def q_heads(hf: np.ndarray, heads: int) -> np.ndarray:
@@ -299,7 +311,7 @@ def q_heads(hf: np.ndarray, heads: int) -> np.ndarray:
 
 def test_read_wq_shard(llama_fixture):
     cfg, ckpt, full = llama_fixture
-    spec = llama.param_specs(cfg)["wq"]
+    spec = layer_specs(cfg).attn.q
     got = ckpt.read(spec, (slice(None), slice(None), slice(2, 4), slice(None)))
     assert got.shape == (cfg.num_layers, cfg.hidden_size, 2, cfg.head_dim)
     for layer in range(cfg.num_layers):
@@ -311,7 +323,7 @@ def test_read_wq_shard(llama_fixture):
 def test_read_wk_replicated_shard(llama_fixture):
     cfg, ckpt, full = llama_fixture
     assert cfg.num_kv_heads == 2
-    spec = llama.param_specs(cfg, kv_repeat=4)["wk"]                      # 8 KV heads for tp=8
+    spec = layer_specs(cfg, kv_repeat=4).attn.k                           # 8 KV heads for tp=8
     assert spec.shape == (cfg.num_layers, cfg.hidden_size, 8, cfg.head_dim)
     got = ckpt.read(spec, (slice(1, 3), slice(None), slice(3, 5), slice(None)))
     assert got.shape == (2, cfg.hidden_size, 2, cfg.head_dim)
@@ -325,7 +337,7 @@ def test_read_wk_replicated_shard(llama_fixture):
 
 def test_read_wo_shard(llama_fixture):
     cfg, ckpt, full = llama_fixture
-    spec = llama.param_specs(cfg)["wo"]                                    # [L, H, D, E]
+    spec = layer_specs(cfg).attn.o                                        # [L, H, D, E]
     got = ckpt.read(spec, (slice(None), slice(2, 4), slice(None), slice(None)))
     for layer in range(cfg.num_layers):
         o = full[f"model.layers.{layer}.self_attn.o_proj.weight"]            # [E, H*D]
@@ -335,16 +347,17 @@ def test_read_wo_shard(llama_fixture):
 
 def test_read_mlp_and_vocab_shards(llama_fixture):
     cfg, ckpt, full = llama_fixture
-    specs = llama.param_specs(cfg)
+    specs = weight_specs(cfg)
+    mlp = specs.layers[0].weights.mlp
     L = cfg.num_layers
-    got = ckpt.read(specs["w_down"], (slice(None), slice(40, 80), slice(None)))
+    got = ckpt.read(mlp.down, (slice(None), slice(40, 80), slice(None)))
     for layer in range(L):
         np.testing.assert_array_equal(got[layer], full[f"model.layers.{layer}.mlp.down_proj.weight"].T[40:80])
-    got = ckpt.read(specs["w_gate"], (slice(0, 1), slice(None), slice(80, 120)))
+    got = ckpt.read(mlp.gate, (slice(0, 1), slice(None), slice(80, 120)))
     np.testing.assert_array_equal(got[0], full["model.layers.0.mlp.gate_proj.weight"].T[:, 80:120])
-    got = ckpt.read(specs["lm_head"], (slice(None), slice(96, 192)))
+    got = ckpt.read(specs.head.lm_head, (slice(None), slice(96, 192)))
     np.testing.assert_array_equal(got, full["lm_head.weight"].T[:, 96:192])
-    got = ckpt.read(specs["embed"], (slice(192, 288), slice(None)))
+    got = ckpt.read(specs.embed.table, (slice(192, 288), slice(None)))
     np.testing.assert_array_equal(got, full["model.embed_tokens.weight"][192:288])
 
 
@@ -361,16 +374,19 @@ def our_layout(spec, tensors: dict[str, np.ndarray]) -> np.ndarray:
 
 
 @pytest.mark.parametrize("fixture, tp", [("llama", 2), ("llama", 8), ("qwen2", 4), ("llama3_scaled", 4)])
-def test_every_device_reads_its_shard(fixture, tp):
+def test_every_device_reads_its_shard(fixture, tp, hf_tiny):
     """For each parameter and device of a tp mesh, read(its index) equals the full tensor sliced."""
-    cfg = ModelConfig.from_dir(FIXTURES / fixture)
-    ckpt = Checkpoint(FIXTURES / fixture)
+    cfg = ModelConfig.from_dir(hf_tiny / fixture)
+    ckpt = Checkpoint(hf_tiny / fixture)
     tensors = {}
-    for f in sorted((FIXTURES / fixture).glob("*.safetensors")):
+    for f in sorted((hf_tiny / fixture).glob("*.safetensors")):
         tensors.update(raw_tensors(f))
     layout = Layout(MeshConfig(tp=tp).make())
     repeat = kv_head_repeat(cfg, tp)
-    for key, spec in llama.param_specs(cfg, repeat).items():
+    named = named_specs(weight_specs(cfg, repeat))
+    # the specs read every tensor of the checkpoint and nothing else
+    assert {name for _, spec in named for name in spec.hf_names()} == set(tensors)
+    for key, spec in named:
         full = our_layout(spec, tensors)
         assert full.shape == spec.shape, key
         indices = layout.sharding(spec.axes).devices_indices_map(spec.shape)
@@ -380,42 +396,51 @@ def test_every_device_reads_its_shard(fixture, tp):
             np.testing.assert_array_equal(got, full[index], err_msg=f"{fixture} {key} on {device}")
 
 
-def test_bf16_fixture_reads_bfloat16():
-    path = FIXTURES / "llama3_scaled"
+def test_bf16_fixture_reads_bfloat16(hf_tiny):
+    path = hf_tiny / "llama3_scaled"
     cfg = ModelConfig.from_dir(path)
     assert cfg.checkpoint_dtype == "bfloat16" and cfg.tie_word_embeddings
     ckpt = Checkpoint(path)
     full = raw_tensors(path / ST)
-    specs = llama.param_specs(cfg, 1)
-    got = ckpt.read(specs["wq"], (slice(None), slice(None), slice(1, 3), slice(None)))
+    specs = weight_specs(cfg)
+    got = ckpt.read(specs.layers[0].weights.attn.q, (slice(None), slice(None), slice(1, 3), slice(None)))
     assert got.dtype == ml_dtypes.bfloat16
     for layer in range(cfg.num_layers):
         want = q_heads(full[f"model.layers.{layer}.self_attn.q_proj.weight"], cfg.num_heads)[:, 1:3]
         assert want.dtype == ml_dtypes.bfloat16
         np.testing.assert_array_equal(got[layer].view(np.uint16), want.view(np.uint16))
     # tied embeddings: the LM head is the embedding transposed
-    got = ckpt.read(specs["lm_head"], (slice(None), slice(0, 96)))
+    assert specs.head.lm_head.hf == "model.embed_tokens.weight"
+    got = ckpt.read(specs.head.lm_head, (slice(None), slice(0, 96)))
     np.testing.assert_array_equal(got.view(np.uint16), full["model.embed_tokens.weight"].T[:, :96].view(np.uint16))
 
 
-def test_read_is_a_memory_map_view():
-    f = SafetensorsFile(FIXTURES / "llama" / ST)
+def test_read_is_a_memory_map_view(hf_tiny):
+    f = SafetensorsFile(hf_tiny / "llama" / ST)
     a = f.array("model.embed_tokens.weight")
     assert isinstance(a, np.memmap) and not a.flags.writeable              # zero-copy, read-only
 
 
-def test_load_params_places_each_shard():
+def test_load_params_places_each_shard(hf_tiny):
     """A full load on tp=2 (no engine: Engine is patched) places each device's shard correctly."""
     from jaxinfer.checkpoint import load_params
 
-    cfg = ModelConfig.from_dir(FIXTURES / "llama")
+    cfg = ModelConfig.from_dir(hf_tiny / "llama")
     layout = Layout(MeshConfig(tp=2).make())
-    specs = llama.param_specs(cfg, kv_head_repeat(cfg, 2))
-    params = load_params(Checkpoint(FIXTURES / "llama"), specs, layout.sharding, np.float32)
-    tensors = load_file(str(FIXTURES / "llama" / ST))
-    wq = params["wq"]
+    specs = weight_specs(cfg, kv_head_repeat(cfg, 2))
+    params = load_params(Checkpoint(hf_tiny / "llama"), specs, layout.sharding, np.float32)
+    tensors = load_file(str(hf_tiny / "llama" / ST))
+    # the same pytree, every ParamSpec now an array of its shape and sharding
+    named = named_specs(specs)
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    assert [jax.tree_util.keystr(p, simple=True, separator=".") for p, _ in leaves] == [k for k, _ in named]
+    for (key, spec), (_, array) in zip(named, leaves, strict=True):
+        assert array.shape == spec.shape and array.dtype == np.float32, key
+        assert array.sharding == layout.sharding(spec.axes), key
+        np.testing.assert_array_equal(np.asarray(array), our_layout(spec, tensors), err_msg=key)
+    wq = params.layers[0].weights.attn.q
     assert wq.sharding.spec == jax.sharding.PartitionSpec(None, None, "tp", None)
-    full = our_layout(specs["wq"], tensors)
+    full = our_layout(specs.layers[0].weights.attn.q, tensors)
     assert len(wq.addressable_shards) == 2
     for shard in wq.addressable_shards:
         assert shard.data.shape == (cfg.num_layers, cfg.hidden_size, cfg.num_heads // 2, cfg.head_dim)

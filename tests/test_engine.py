@@ -1,26 +1,33 @@
 """Generation mechanics: ragged batches, bucketing without recompilation, and the collective pattern."""
 
-from pathlib import Path
-
-import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.engine import bucket
+from jaxinfer.batch import bucket
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "hf-tiny"
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llama_tp4():
-    return LLM(FIXTURES / "llama", mesh="tp=4", dtype="float32")
+def llama_on(hf_tiny):
+    """mesh -> the tiny Llama on that mesh, built once per module and mesh."""
+    built = {}
+
+    def get(mesh: str) -> LLM:
+        if mesh not in built:
+            built[mesh] = LLM(hf_tiny / "llama", mesh=mesh, dtype="float32")
+        return built[mesh]
+    return get
 
 
 @pytest.fixture(scope="module")
-def prompts():
-    g = np.load(FIXTURES / "llama" / "golden.npz")
-    return [list(map(int, g["input_ids"][i, :n])) for i, n in enumerate(g["lengths"])]
+def llama_tp4(llama_on):
+    return llama_on("tp=4")
+
+
+@pytest.fixture(scope="module")
+def prompts(golden):
+    return golden("llama").prompts
 
 
 def test_batch_of_different_lengths_equals_each_alone(llama_tp4, prompts):
@@ -29,10 +36,11 @@ def test_batch_of_different_lengths_equals_each_alone(llama_tp4, prompts):
     together = llama_tp4.generate(prompts, mixed)
     for prompt, params, out in zip(prompts, mixed, together, strict=True):
         alone = llama_tp4.generate([prompt], params)[0]
-        assert out.token_ids == alone.token_ids
+        assert out.token_ids == alone.token_ids and len(out.token_ids) == 8
+        assert out.prompt_token_ids == prompt
 
 
-def test_no_recompilation_after_warm_up(llama_tp4, prompts):
+def test_every_prompt_and_output_length_compiles_nothing_after_warm_up(llama_tp4, prompts):
     """Every prompt length 1..11 and output length 6..16, once to warm up, then again with other tokens."""
     def workload(source):
         for n in range(1, 12):
@@ -50,8 +58,8 @@ def collective_counts(report, kind):
 
 
 @pytest.mark.parametrize("mesh,batch", [("tp=4", 1), ("dp=2,tp=2", 4)])
-def test_decode_step_has_two_all_reduces_per_layer(mesh, batch, prompts):
-    llm = llama_tp4_or_new(mesh)
+def test_decode_step_has_two_all_reduces_per_layer(mesh, batch, prompts, llama_on):
+    llm = llama_on(mesh)
     llm.generate(prompts[:batch], GREEDY)
     cfg, dp = llm.config, llm.mesh_config.dp
     rows, E, V, L, f32 = batch // dp, cfg.hidden_size, cfg.vocab_size, cfg.num_layers, 4
@@ -66,15 +74,6 @@ def test_decode_step_has_two_all_reduces_per_layer(mesh, batch, prompts):
     lengths = [len(p) for p in prompts[:batch]]
     N = bucket(max(sum(lengths[i::dp]) for i in range(dp)))
     assert collective_counts(prefill, "all-reduce") == (2 * L + 1, (2 * L + 1) * N * E * f32)
-
-
-_llms = {}
-
-
-def llama_tp4_or_new(mesh):
-    if mesh not in _llms:
-        _llms[mesh] = LLM(FIXTURES / "llama", mesh=mesh, dtype="float32")
-    return _llms[mesh]
 
 
 def test_chat_applies_template(llama_tp4):

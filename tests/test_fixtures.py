@@ -2,31 +2,28 @@
 
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "hf-tiny"
 TOL = 1e-4
-MESHES = ["", "tp=2", "tp=4", "dp=2,tp=2", "dp=8"]
-CASES = [(name, mesh) for name in ("llama", "llama3_scaled", "qwen2", "qwen3") for mesh in MESHES]
-CASES += [("llama", "tp=8"), ("qwen2", "tp=8"), ("qwen3", "tp=8")]  # 8 heads: KV heads replicated
-MOE_MESHES = ["", "ep=2", "ep=4", "ep=8", "ep=2,tp=2", "dp=2,ep=4", "ep=4,tp=2"]
-CASES += [(name, mesh) for name in ("mixtral", "qwen3_moe") for mesh in MOE_MESHES]
-
-
-def golden(name):
-    g = np.load(FIXTURES / name / "golden.npz")
-    prompts = [list(map(int, g["input_ids"][i, :n])) for i, n in enumerate(g["lengths"])]
-    return prompts, g["logits"], g["greedy"]
+# Every layout is checked against the reference by at least one dense and (for ep) one MoE model, and every
+# model on one device and at least two layouts: llama on all of them, the others where they differ (rope
+# scaling and a bf16 tied checkpoint, biases, q/k norm, routing).
+DENSE = {"llama": ["", "tp=2", "tp=4", "dp=2,tp=2", "dp=8", "tp=8"],   # tp=8 > KV heads: replicated
+         "llama3_scaled": ["", "tp=4", "dp=2,tp=2"],
+         "qwen2": ["", "tp=2", "tp=8"],
+         "qwen3": ["", "dp=8", "tp=8"]}
+MOE = {"mixtral": ["", "ep=2", "ep=8", "dp=2,ep=4"],
+       "qwen3_moe": ["", "ep=4", "ep=2,tp=2", "ep=4,tp=2"]}
+CASES = [(name, mesh) for table in (DENSE, MOE) for name, meshes in table.items() for mesh in meshes]
 
 
 def check_greedy_path(llm, prompt, path, reference_path):
     """Token by token: where we differ from the reference, the reference's logits must be near-tied."""
-    if path == list(reference_path):
+    if path == reference_path:
         return
     ours = llm.logits([prompt + path[:-1]])[0][len(prompt) - 1:]
     for t, (a, b) in enumerate(zip(path, reference_path, strict=True)):
@@ -36,27 +33,34 @@ def check_greedy_path(llm, prompt, path, reference_path):
 
 
 @pytest.mark.parametrize("name,mesh", CASES)
-def test_logits_and_greedy_match_reference(name, mesh):
-    prompts, ref_logits, ref_greedy = golden(name)
-    llm = LLM(FIXTURES / name, mesh=mesh, dtype="float32")
+def test_logits_and_greedy_match_reference(name, mesh, hf_tiny, golden):
+    prompts, ref_logits, ref_greedy, _ = golden(name)
+    llm = LLM(hf_tiny / name, mesh=mesh, dtype="float32")
     for i, logits in enumerate(llm.logits(prompts)):
         np.testing.assert_allclose(logits, ref_logits[i, : len(prompts[i])], atol=TOL, rtol=0)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=ref_greedy.shape[1], temperature=0, ignore_eos=True))
+    assert llm.engine.expert_load.total is None                 # scoring routes tokens but does not count them
+    new_tokens = len(ref_greedy[0])
+    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
     for prompt, out, ref in zip(prompts, outs, ref_greedy, strict=True):
-        assert out.finish_reason == "length" and len(out.token_ids) == len(ref)
+        assert out.finish_reason == "length" and len(out.token_ids) == len(ref) == new_tokens
         check_greedy_path(llm, prompt, out.token_ids, ref)
-    if llm.config.num_experts:  # the load report covers every MoE layer and expert
+    if llm.config.num_experts:
+        # Every token a step computed was routed to top_k experts in every MoE layer: all prompt tokens (fresh
+        # engine: no prefix-cache hits) and the new_tokens - 1 decode inputs of each prompt (the last sampled
+        # token is never fed back); padding is not counted.
+        computed = sum(len(p) for p in prompts) + len(prompts) * (new_tokens - 1)
         load = np.asarray(llm.engine.expert_load.report()["total"]["tokens_per_expert"])
         assert load.shape == (len(llm.config.moe_layers), llm.config.num_experts)
+        assert load.sum(axis=1).tolist() == [computed * llm.config.experts_per_token] * len(llm.config.moe_layers)
 
 
-def test_mistral_is_the_llama_block(tmp_path):
+def test_mistral_is_the_llama_block(tmp_path, hf_tiny, golden):
     """MistralForCausalLM checkpoints (no sliding window) load and run as the Llama block they are."""
-    shutil.copytree(FIXTURES / "llama", tmp_path / "mistral")
+    shutil.copytree(hf_tiny / "llama", tmp_path / "mistral")
     cfg = json.loads((tmp_path / "mistral" / "config.json").read_text())
     cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None)
     (tmp_path / "mistral" / "config.json").write_text(json.dumps(cfg))
-    prompts, ref_logits, _ = golden("llama")
+    prompts, ref_logits = golden("llama")[:2]
     llm = LLM(tmp_path / "mistral", mesh="tp=2", dtype="float32")
     assert llm.config.architecture == "MistralForCausalLM"
     for i, logits in enumerate(llm.logits(prompts)):
@@ -69,7 +73,10 @@ def test_vocabulary_not_divisible_by_tp_is_padded(tmp_path):
 
     path = write_random_checkpoint(tmp_path / "odd", {**DEFAULT, "vocab_size": 270, "num_hidden_layers": 2})
     single, sharded = LLM(path, dtype="float32"), LLM(path, mesh="tp=4", dtype="float32")
-    assert sharded.engine.params["lm_head"].shape[-1] == 272
+    lm_head, table = np.asarray(sharded.weights.head.lm_head), np.asarray(sharded.weights.embed.table)
+    assert lm_head.shape[-1] == table.shape[0] == 272
+    assert not lm_head[:, 270:].any() and not table[270:].any()                  # the padding rows are zeros
+    np.testing.assert_array_equal(lm_head[:, :270], np.asarray(single.weights.head.lm_head))
     ids = [[1, 5, 9, 269, 100], [1, 2]]
     for a, b in zip(single.logits(ids), sharded.logits(ids), strict=True):
         assert a.shape == b.shape == (a.shape[0], 270)

@@ -40,15 +40,16 @@ def run_python(code: str, target: Path, cwd: Path) -> subprocess.CompletedProces
 
 def test_installed_files(target):
     pkg = target / "jaxinfer"
-    for f in ("__init__.py", "llm.py", "launch.py", "models/__init__.py", "models/llama.py",
-              "pallas_kernels/__init__.py", "meshes/__init__.py"):
+    for f in ("__init__.py", "llm.py", "launch.py", "layers.py", "runner.py", "scheduler.py", "batch.py",
+              "attention/__init__.py", "attention/paged.py", "models/__init__.py", "models/base.py",
+              "models/llama.py", "pallas_kernels/__init__.py", "meshes/__init__.py"):
         assert (pkg / f).is_file(), f
     assert not (target / "models").exists() and not (target / "meshes").exists()    # only under jaxinfer/
 
 
 def test_import_from_outside_the_repo(target, tmp_path):
     r = run_python("""
-        import jaxinfer, jaxinfer.models, jaxinfer.pallas_kernels
+        import jaxinfer, jaxinfer.attention, jaxinfer.models, jaxinfer.pallas_kernels
         from jaxinfer.models import llama
         from importlib import resources
         from jaxinfer.mesh import MeshConfig
@@ -60,15 +61,19 @@ def test_import_from_outside_the_repo(target, tmp_path):
         print(jaxinfer.models.__file__)
         print(jaxinfer.pallas_kernels.__file__)
         print(llama.__file__)
+        print(jaxinfer.attention.__file__)
         print(",".join(presets))
-        assert callable(llama.param_specs) and callable(jaxinfer.LLM)
+        assert issubclass(llama.Llama, jaxinfer.models.Model) and callable(jaxinfer.LLM)
+        assert jaxinfer.models.ARCHITECTURES["LlamaForCausalLM"] is llama.Llama
+        assert jaxinfer.models.ARCHITECTURES["Qwen3MoeForCausalLM"] is llama.Qwen3Moe
     """, target, tmp_path)
     assert r.returncode == 0, r.stderr
     files = r.stdout.strip().splitlines()
-    for f in files[:4]:
+    assert len(files) == 6
+    for f in files[:5]:
         assert Path(f).resolve().is_relative_to(target.resolve()), f
         assert not Path(f).resolve().is_relative_to(REPO), f
-    assert files[-1]
+    assert files[-1].split(",") == sorted(p.name for p in (REPO / "meshes").glob("*.toml"))   # every preset ships
 
 
 def test_installed_launcher_runs(target, tmp_path):

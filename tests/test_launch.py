@@ -2,12 +2,14 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 from jaxinfer.random_model import DEFAULT
+from jaxinfer.tokenizer import Tokenizer
 
 LAYERS = DEFAULT["num_hidden_layers"]
 
@@ -26,9 +28,13 @@ def launch(cache, *args, timeout=300) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
+TP2 = ("--mesh", "tp=2", "--max-tokens", "4")
+DEFAULT_PROMPT = "The capital of France is"   # what the launcher serves without --prompt or --chat
+
+
 @pytest.fixture(scope="module")
 def tp2_run(cache):
-    r = launch(cache, "--mesh", "tp=2", "--max-tokens", "4", "--json")
+    r = launch(cache, *TP2, "--json")
     assert r.returncode == 0, r.stderr
     return r
 
@@ -56,11 +62,15 @@ def test_mesh_and_model(cache, tp2):
     assert tp2["dtype"] == "float32"
 
 
-def test_output(tp2):
-    assert len(tp2["output_token_ids"]) == 4
-    assert all(0 <= t < DEFAULT["vocab_size"] for t in tp2["output_token_ids"])
-    assert tp2["finish_reason"] in ("length", "stop")
-    assert tp2["prompt_tokens"] > 0
+def test_output(cache, tp2):
+    ids = tp2["output_token_ids"]
+    assert len(ids) == 4
+    assert all(0 <= t < DEFAULT["vocab_size"] for t in ids)
+    # four tokens: the budget ran out, unless the fourth is the end of sequence
+    assert tp2["finish_reason"] == ("stop" if ids[-1] == DEFAULT["eos_token_id"] else "length")
+    tokenizer = Tokenizer.from_dir(cache / "default-random-llama")
+    assert tp2["prompt_tokens"] == len(tokenizer.encode(DEFAULT_PROMPT))
+    assert tp2["output_text"] == tokenizer.decode(ids)
     assert tp2["compile_seconds"] > 0
 
 
@@ -85,14 +95,26 @@ def test_collectives(tp2):
     assert tp2["collectives"]["prefill"]["all-reduce"]["count"] == 2 * LAYERS + 1
 
 
-def test_readable_output(cache):
-    r = launch(cache, "--mesh", "tp=2", "--max-tokens", "3")
+def test_readable_output_reports_the_json_figures(cache, tp2):
+    """The same command without --json: the table shows what the JSON run computed (timings aside)."""
+    r = launch(cache, *TP2)
     assert r.returncode == 0, r.stderr
-    assert "random weights" in r.stdout
-    assert "tp=2 on 2 cpu device(s)" in r.stdout
-    assert "3 tokens" in r.stdout
-    with pytest.raises(json.JSONDecodeError):
-        json.loads(r.stdout)
+    lines = r.stdout.splitlines()
+    assert lines[:6] == [
+        f"model   {tp2['model']} [LlamaForCausalLM, float32]",
+        f"mesh    tp=2 on 2 cpu device(s); {tp2['parameter_bytes_per_device'] / 2**20:.1f} MiB of weights per device",
+        f"cache   {tp2['kv_pages_per_replica']} pages of {tp2['page_size']} tokens per replica; "
+        f"attention backend {tp2['attention_backend']}",
+        f"prompt  {tp2['prompt_tokens']} tokens",
+        f"output  {tp2['output_text']!r}",
+        f"        4 tokens, finish_reason={tp2['finish_reason']}",
+    ]
+    assert "random weights" in lines[0] and tp2["model"].startswith(str(cache))
+    number = r"\d+\.\d+"
+    assert re.fullmatch(rf"prefill {number} s \({number} tokens/s\)", lines[6]), lines[6]
+    assert re.fullmatch(rf"decode  {number} s \({number} tokens/s\)", lines[7]), lines[7]
+    assert re.fullmatch(rf"compile {number} s \(not counted above\)", lines[8]), lines[8]
+    assert len(lines) == 9                                     # a dense model: no expert-load line
 
 
 def test_unknown_axis_exits_2(cache):

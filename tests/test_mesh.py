@@ -4,7 +4,6 @@ import json
 import shutil
 import tomllib
 from importlib import resources
-from pathlib import Path
 
 import jax
 import pytest
@@ -13,8 +12,6 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.mesh import AXES, MeshConfig, MeshError
 from jaxinfer.sharding import kv_head_repeat, validate
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared/fixtures/hf-tiny"
-
 
 def packaged_presets() -> list[str]:
     return sorted(p.name.removesuffix(".toml") for p in resources.files("jaxinfer.meshes").iterdir()
@@ -22,19 +19,23 @@ def packaged_presets() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def llama() -> ModelConfig:
-    return ModelConfig.from_dir(FIXTURES / "llama")
+def llama(hf_tiny) -> ModelConfig:
+    return ModelConfig.from_dir(hf_tiny / "llama")
 
 
 @pytest.fixture(scope="module")
-def qwen3() -> ModelConfig:
-    return ModelConfig.from_dir(FIXTURES / "qwen3")
+def qwen3(hf_tiny) -> ModelConfig:
+    return ModelConfig.from_dir(hf_tiny / "qwen3")
 
 
-def llama_variant(**changes) -> ModelConfig:
-    c = json.loads((FIXTURES / "llama/config.json").read_text())
-    c.update(changes)
-    return ModelConfig.from_dict(c)
+@pytest.fixture(scope="module")
+def llama_variant(hf_tiny):
+    """(**config.json changes) -> the ModelConfig of the tiny Llama's config.json so changed."""
+    def variant(**changes) -> ModelConfig:
+        c = json.loads((hf_tiny / "llama" / "config.json").read_text())
+        c.update(changes)
+        return ModelConfig.from_dict(c)
+    return variant
 
 
 # ---- parsing ---------------------------------------------------------------------------------------
@@ -237,7 +238,7 @@ def test_tp_above_kv_heads_replicates(qwen3):
     validate(qwen3, MeshConfig.parse("tp=2"))
 
 
-def test_tp_and_kv_heads_must_divide_one_another():
+def test_tp_and_kv_heads_must_divide_one_another(llama_variant):
     cfg = llama_variant(num_attention_heads=12, num_key_value_heads=6, head_dim=8, intermediate_size=192)
     validate(cfg, MeshConfig.parse("tp=2"))
     validate(cfg, MeshConfig.parse("tp=6"))
@@ -247,14 +248,14 @@ def test_tp_and_kv_heads_must_divide_one_another():
     assert "tp=4" in msg and "6 KV heads" in msg
 
 
-def test_tp_must_divide_mlp():
+def test_tp_must_divide_mlp(llama_variant):
     cfg = llama_variant(intermediate_size=162)
     with pytest.raises(MeshError) as e:
         validate(cfg, MeshConfig.parse("tp=4"))
     assert "tp=4" in str(e.value) and "162" in str(e.value)
 
 
-def test_vocab_need_not_divide_tp():
+def test_vocab_need_not_divide_tp(llama_variant):
     """The vocabulary is padded to a multiple of tp (tests/test_fixtures.py checks the outputs)."""
     validate(llama_variant(vocab_size=390), MeshConfig.parse("tp=4"))
 
@@ -267,17 +268,17 @@ def test_unavailable_axes_on_a_dense_model(llama, axis):
     assert f"{axis}=2" in msg and "LlamaForCausalLM" in msg and f"use {axis}=1" in msg
 
 
-def test_llm_refuses_a_bad_mesh_before_loading(tmp_path):
+def test_llm_refuses_a_bad_mesh_before_loading(tmp_path, hf_tiny):
     from jaxinfer import LLM
 
     with pytest.raises(MeshError, match="tp=3"):
-        LLM(FIXTURES / "llama", mesh="tp=3", dtype="float32")
+        LLM(hf_tiny / "llama", mesh="tp=3", dtype="float32")
     with pytest.raises(MeshError, match="16 devices"):
-        LLM(FIXTURES / "llama", mesh="dp=2,tp=8", dtype="float32")
+        LLM(hf_tiny / "llama", mesh="dp=2,tp=8", dtype="float32")
     # a checkpoint without weights: the mesh error comes before the checkpoint is opened
     d = tmp_path / "cfg-only"
     d.mkdir()
-    shutil.copyfile(FIXTURES / "llama/config.json", d / "config.json")
+    shutil.copyfile(hf_tiny / "llama" / "config.json", d / "config.json")
     with pytest.raises(MeshError, match="tp=3"):
         LLM(d, mesh="tp=3", dtype="float32")
 

@@ -179,7 +179,7 @@ def test_compiled_collectives(mesh, dtype):
     assert report["all-reduce"] == all_reduce  # one [n, E] all-reduce over tp, like a dense MLP
 
 
-def test_experts_not_divisible_by_ep():
+def test_moe_refuses_experts_not_divisible_by_ep():
     args = make_inputs(4, 16, 24, 6)
     with pytest.raises(ValueError, match=r"6 experts .* ep=4"):
         moe(*args, top_k=2, normalize=True, layout=layout_for(MeshConfig(ep=4)))

@@ -2,7 +2,6 @@
 
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,12 +10,11 @@ from safetensors.numpy import load_file, save_file
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.checkpoint import CheckpointError
 from jaxinfer.mesh import MeshError
-from tests.test_fixtures import golden
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "hf-tiny"
-def test_decode_step_exchanges_tokens_by_two_all_to_alls_per_layer():
-    llm = LLM(FIXTURES / "mixtral", mesh="ep=4", dtype="float32")
-    prompts, _, _ = golden("mixtral")
+
+def test_decode_step_exchanges_tokens_by_two_all_to_alls_per_layer(hf_tiny, golden):
+    llm = LLM(hf_tiny / "mixtral", mesh="ep=4", dtype="float32")
+    prompts = golden("mixtral").prompts
     llm.generate(prompts[:1], SamplingParams(max_tokens=3, temperature=0))
     report, cfg = llm.collective_report()["decode"], llm.config
     L, E, k, f32 = cfg.num_layers, cfg.hidden_size, cfg.experts_per_token, 4
@@ -28,29 +26,46 @@ def test_decode_step_exchanges_tokens_by_two_all_to_alls_per_layer():
     assert report["all-reduce"]["count"] == 0              # tp=1: nothing to reduce
 
 
-def test_expert_load_counts_every_routed_token():
-    llm = LLM(FIXTURES / "qwen3_moe", mesh="ep=2", dtype="float32")
-    prompt = golden("qwen3_moe")[0][1]
-    llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
-    cfg, load = llm.config, llm.engine.expert_load
-    assert (load.total.sum(axis=-1) == len(prompt) * cfg.experts_per_token).all()   # every layer, padding excluded
-    report = load.report()["last_step"]
-    assert all(i >= 1.0 for i in report["imbalance"])
+def imbalance(tokens_per_expert) -> list[float]:
+    """max / mean tokens per expert of each layer, computed here from the counts."""
+    counts = np.asarray(tokens_per_expert, np.float64)
+    return (counts.max(axis=1) / counts.mean(axis=1)).tolist()
 
 
-def test_experts_not_divisible_by_ep():
+def test_expert_load_counts_every_routed_token(hf_tiny, golden):
+    llm = LLM(hf_tiny / "qwen3_moe", mesh="ep=2", dtype="float32")
+    prompt = golden("qwen3_moe").prompts[1]
+    llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    cfg = llm.config
+    X, k, layers = cfg.num_experts, cfg.experts_per_token, len(cfg.moe_layers)
+    assert llm.engine.stats.steps == 3                     # one prefill step, then two decode steps
+    report = llm.engine.expert_load.report()
+    total, last = report["total"], report["last_step"]
+    assert np.shape(total["tokens_per_expert"]) == np.shape(last["tokens_per_expert"]) == (layers, X)
+    # every computed token (the prompt, then the first two sampled ones) went to k experts in every layer;
+    # padding (the prompt's bucket, the other ep replica's empty row) is not counted
+    assert np.sum(total["tokens_per_expert"], axis=1).tolist() == [(len(prompt) + 2) * k] * layers
+    assert np.sum(last["tokens_per_expert"], axis=1).tolist() == [k] * layers
+    # the last step routed one token to k distinct experts: k of X experts hold 1, so max / mean = X / k
+    assert np.max(last["tokens_per_expert"]) == 1
+    assert last["imbalance"] == pytest.approx([X / k] * layers, rel=1e-12)
+    for part in (total, last):
+        assert part["imbalance"] == pytest.approx(imbalance(part["tokens_per_expert"]), rel=1e-12)
+
+
+def test_llm_refuses_ep_that_does_not_divide_the_experts(hf_tiny):
     with pytest.raises(MeshError, match="ep=3 does not divide the model's 8 experts"):
-        LLM(FIXTURES / "mixtral", mesh="ep=3", dtype="float32")
+        LLM(hf_tiny / "mixtral", mesh="ep=3", dtype="float32")
 
 
-def test_dense_model_refuses_ep():
+def test_dense_model_refuses_ep(hf_tiny):
     with pytest.raises(MeshError, match="expert parallel needs a mixture-of-experts model"):
-        LLM(FIXTURES / "llama", mesh="ep=2", dtype="float32")
+        LLM(hf_tiny / "llama", mesh="ep=2", dtype="float32")
 
 
-def test_missing_expert_tensor(tmp_path):
+def test_missing_expert_tensor(tmp_path, hf_tiny):
     d = tmp_path / "mixtral"
-    shutil.copytree(FIXTURES / "mixtral", d)
+    shutil.copytree(hf_tiny / "mixtral", d)
     index = json.loads((d / "model.safetensors.index.json").read_text())
     name = "model.layers.1.block_sparse_moe.experts.5.w3.weight"
     shard = d / index["weight_map"].pop(name)
@@ -62,19 +77,26 @@ def test_missing_expert_tensor(tmp_path):
         LLM(d, mesh="ep=2", dtype="float32")
 
 
-def test_mixed_dense_and_sparse_layers(tmp_path):
+def test_mixed_dense_and_sparse_layers(tmp_path, hf_tiny):
     """Qwen3-MoE with mlp_only_layers: layer 1 dense (weights made from expert 0 at full width here would
     change the model, so build a checkpoint whose layer-1 MLP exists and check the engine runs it)."""
     from jaxinfer.random_model import write_random_checkpoint
 
-    cfg = json.loads((FIXTURES / "qwen3_moe" / "config.json").read_text())
+    cfg = json.loads((hf_tiny / "qwen3_moe" / "config.json").read_text())
     cfg.update(mlp_only_layers=[1], vocab_size=264)
     path = write_random_checkpoint(tmp_path / "mixed", cfg)
     llm = LLM(path, mesh="ep=2", dtype="float32")
     assert llm.config.moe_layers == (0, 2) and llm.config.mlp_layers == (1,)
+    # three stacks (sparse, dense, sparse), each holding one layer: the dense one has no router
+    stacks = llm.weights.layers
+    assert [(s.first, s.size) for s in stacks] == [(0, 1), (1, 1), (2, 1)]
+    assert [hasattr(s.weights.mlp, "router") for s in stacks] == [True, False, True]
     single = LLM(path, dtype="float32")
     ids = [1, 20, 30, 40, 50]
     np.testing.assert_allclose(llm.logits([ids])[0], single.logits([ids])[0], atol=1e-5, rtol=0)
     assert llm.engine.expert_load.total is None            # scoring does not count; a step does
-    llm.generate([ids], SamplingParams(max_tokens=2, temperature=0))
-    assert llm.engine.expert_load.total.shape == (2, cfg["num_local_experts"])
+    llm.generate([ids], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    k = cfg["num_experts_per_tok"]
+    load = llm.engine.expert_load.total                    # only the two MoE layers: 5 prompt + 1 decode tokens
+    assert load.shape == (2, cfg["num_local_experts"])
+    assert load.sum(axis=1).tolist() == [(len(ids) + 1) * k] * 2

@@ -9,11 +9,11 @@ from pathlib import Path
 from jaxinfer import LLM, SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
-LLAMA = REPO.parent / "shared" / "fixtures" / "hf-tiny" / "llama"
 
 
-def test_two_processes_equal_one(tmp_path):
-    flags = ["--mesh", "dp=2,tp=2", "--model", str(LLAMA), "--prompt", "Distributed inference", "--max-tokens", "6",
+def test_two_processes_equal_one(tmp_path, hf_tiny):
+    llama = hf_tiny / "llama"
+    flags = ["--mesh", "dp=2,tp=2", "--model", str(llama), "--prompt", "Distributed inference", "--max-tokens", "6",
              "--dtype", "float32", "--json"]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(PYTHON=sys.executable, JAX_PLATFORMS="cpu", JAXINFER_LOG_DIR=str(tmp_path))
@@ -23,7 +23,7 @@ def test_two_processes_equal_one(tmp_path):
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["devices"] == 4 and result["mesh"]["dp"] == 2 and result["mesh"]["tp"] == 2
 
-    llm = LLM(LLAMA, mesh="dp=2,tp=2", dtype="float32")
+    llm = LLM(llama, mesh="dp=2,tp=2", dtype="float32")
     alone = llm.generate(["Distributed inference"], SamplingParams(max_tokens=6, temperature=0, seed=0))[0]
     assert result["output_token_ids"] == alone.token_ids
     assert result["output_text"] == alone.text

@@ -1,7 +1,6 @@
 """Request validation (before compilation) and the sampling/stop semantics of LLM.generate, on the tiny Llama."""
 
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,21 +8,18 @@ import pytest
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine import RequestError
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared/fixtures/hf-tiny"
 PROMPT = "The capital of France is"
 SAMPLED = dict(temperature=0.8, top_p=0.9, top_k=20)
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(FIXTURES / "llama", mesh="", dtype="float32")
+def llm(hf_tiny) -> LLM:
+    return LLM(hf_tiny / "llama", mesh="", dtype="float32")
 
 
 @pytest.fixture(scope="module")
-def golden():
-    z = np.load(FIXTURES / "llama/golden.npz")
-    ids = [[int(t) for t in z["input_ids"][i][: z["lengths"][i]]] for i in range(len(z["lengths"]))]
-    return ids, [[int(t) for t in g] for g in z["greedy"]]
+def llama_golden(golden):
+    return golden("llama")
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +48,20 @@ def test_prompt_of_context_length_is_refused(llm):
             llm.generate([5] * n, SamplingParams(max_tokens=4))
         msg = str(e.value)
         assert f"{n} tokens" in msg and "512" in msg and "shorten" in msg
-    with pytest.raises(RequestError, match="512"):
-        llm.logits([[5] * 512])
+    with pytest.raises(RequestError) as e:                     # scoring needs no room to generate, but no more
+        llm.logits([[5] * 513])
+    msg = str(e.value)
+    assert "513 tokens" in msg and "512" in msg
     assert llm.engine.compilations == before
+
+
+def test_a_sequence_of_exactly_the_context_length_is_scored(llm):
+    ids = [(7 * i) % 380 + 4 for i in range(512)]
+    [logits] = llm.logits([ids])
+    assert logits.shape == (512, llm.config.vocab_size) and logits.dtype == np.float32
+    assert np.isfinite(logits).all()
+    # causal: the first 40 positions score as they do alone (the long sequence ran in several chunks)
+    np.testing.assert_allclose(logits[:40], llm.logits([ids[:40]])[0], atol=1e-5, rtol=0)
 
 
 def test_empty_prompt_is_refused(llm):
@@ -128,8 +135,8 @@ def test_sampling_params_normalises_stop():
 # ---- stopping -----------------------------------------------------------------------------------------------
 
 
-def test_greedy_matches_the_golden_tokens(llm, golden):
-    ids, want = golden
+def test_greedy_matches_the_golden_tokens(llm, llama_golden):
+    ids, want = llama_golden.prompts, llama_golden.greedy
     short = [i for i, p in enumerate(ids) if len(p) <= 16]       # one prefill bucket
     outs = llm.generate([ids[i] for i in short[:1]], SamplingParams(max_tokens=24, temperature=0))
     assert outs[0].token_ids == want[short[0]]
@@ -228,13 +235,13 @@ def test_tiny_top_p_is_greedy(llm, greedy):
     assert out.token_ids == greedy.token_ids
 
 
-def test_a_seeded_request_does_not_depend_on_its_batch(llm, greedy, golden):
+def test_a_seeded_request_does_not_depend_on_its_batch(llm, greedy, llama_golden):
     alone = gen(llm, max_tokens=12, seed=11, **SAMPLED).token_ids
-    other = golden[0][0]
+    other = llama_golden.prompts[0]
     both = llm.generate([PROMPT, other], [SamplingParams(max_tokens=12, seed=11, **SAMPLED),
                                           SamplingParams(max_tokens=12, temperature=0)])
     assert both[0].token_ids == alone
-    assert both[1].token_ids == golden[1][0][:12]
+    assert both[1].token_ids == llama_golden.greedy[0][:12]
 
 
 def test_budget_is_capped_by_the_context(llm):

@@ -3,7 +3,6 @@ in-place pool update under donation, and cross-lowering of the Triton kernel for
 
 import json
 import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +11,6 @@ import pytest
 
 from jaxinfer.pallas_kernels.rope_cache import rope_and_write, rope_and_write_reference
 
-LLAMA = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "hf-tiny" / "llama" / "config.json"
 KV, L, NUM_PAGES, P = 2, 2, 5, 4
 SENTINEL = NUM_PAGES * P
 
@@ -106,8 +104,8 @@ def test_kernel_matches_reference(dtype, group):
 
 
 @pytest.mark.parametrize("head_dim", [None, 128])
-def test_rope_matches_hf_formula(head_dim):
-    cfg = json.loads(LLAMA.read_text())
+def test_rope_matches_hf_formula(head_dim, hf_tiny):
+    cfg = json.loads((hf_tiny / "llama" / "config.json").read_text())
     theta, d = cfg["rope_theta"], head_dim or cfg["head_dim"]
     assert theta == 10000.0
     n = 501

@@ -1,14 +1,11 @@
 """The paged engine: continuous batching, chunked prefill, preemption, prefix caching, abort, streaming."""
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine import RequestError
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "hf-tiny"
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
@@ -39,17 +36,22 @@ def alone(llm: LLM, requests) -> dict[int, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def single():
-    return LLM(FIXTURES / "llama", dtype="float32", max_tokens_per_step=32)
+def llama(hf_tiny):
+    return hf_tiny / "llama"
 
 
 @pytest.fixture(scope="module")
-def sharded():
-    return LLM(FIXTURES / "llama", mesh="dp=2,tp=2", dtype="float32", max_tokens_per_step=32)
+def single(llama):
+    return LLM(llama, dtype="float32", max_tokens_per_step=32)
+
+
+@pytest.fixture(scope="module")
+def sharded(llama):
+    return LLM(llama, mesh="dp=2,tp=2", dtype="float32", max_tokens_per_step=32)
 
 
 def free_pages(llm: LLM) -> list[int]:
-    return [r.pool.available for r in llm.engine.replicas]
+    return [r.pool.available for r in llm.engine.schedulers]
 
 
 @pytest.mark.parametrize("which", ["single", "sharded"])
@@ -58,51 +60,54 @@ def test_concurrent_requests_equal_each_alone(which, request):
     requests = workload(0)
     together = serve(llm, requests)
     assert together == alone(llm, requests)
-    assert free_pages(llm) == [llm.engine.pages_per_replica] * len(llm.engine.replicas)
+    assert free_pages(llm) == [llm.engine.pages_per_replica] * len(llm.engine.schedulers)
     if which == "sharded":  # both replicas admitted prompts with full pages (each looked up its own cache)
-        assert all(r.pool.queries > 0 for r in llm.engine.replicas)
+        assert all(r.pool.queries > 0 for r in llm.engine.schedulers)
 
 
 def test_replicas_share_the_requests(sharded):
-    seen = set()
+    engine = sharded.engine
+    requests, placed = [], []
     for i in range(4):
-        r = sharded.engine.add_request([5 + i] * 3, SamplingParams(max_tokens=2, **GREEDY))
-        seen.add(id(sharded.engine.requests[r.id][1]))
-    while sharded.engine.has_unfinished():
-        sharded.engine.step()
-    assert len(seen) == 2
+        r = engine.add_request([5 + i] * 3, SamplingParams(max_tokens=2, **GREEDY))
+        requests.append(r)
+        placed.append([s is engine.requests[r.id][1] for s in engine.schedulers].index(True))
+    assert placed == [0, 1, 0, 1]                              # each to the least loaded replica
+    while engine.has_unfinished():
+        engine.step()
+    assert [len(r.output) for r in requests] == [2] * 4
 
 
-def test_preemption_recomputes_and_loses_nothing(single):
+def test_preemption_recomputes_and_loses_nothing(single, llama):
     requests = workload(1, n=10)
     expected = alone(single, requests)
-    tiny = LLM(FIXTURES / "llama", dtype="float32", max_tokens_per_step=32, num_pages=12)   # 192 tokens of KV
+    tiny = LLM(llama, dtype="float32", max_tokens_per_step=32, num_pages=12)   # 192 tokens of KV
     got = serve(tiny, requests, arrive_every=1)
     assert tiny.engine.stats.preemptions > 0
     assert got == expected
     assert free_pages(tiny) == [12]
 
 
-def test_prefix_cache_reuses_three_pages(single):
+def test_prefix_cache_reuses_three_pages(single, llama):
     rng = np.random.default_rng(7)
     prefix = rng.integers(4, 384, size=48).tolist()
     first, second = prefix + [11, 12, 13], prefix + [21, 22]
     params = SamplingParams(max_tokens=6, **GREEDY)
-    uncached = LLM(FIXTURES / "llama", dtype="float32", prefix_caching=False)
-    pool = single.engine.replicas[0].pool
+    uncached = LLM(llama, dtype="float32", prefix_caching=False)
+    pool = single.engine.schedulers[0].pool
     single.generate([first], params)
     hits = pool.hits
     out = single.generate([second], params)[0]
     assert pool.hits - hits == 3                               # 48 tokens = three full pages of 16
     assert out.token_ids == uncached.generate([second], params)[0].token_ids
-    assert uncached.engine.replicas[0].pool.hits == 0
+    assert uncached.engine.schedulers[0].pool.hits == 0
 
 
 def test_a_fully_cached_prompt_still_computes_its_last_token(single):
     prompt = np.random.default_rng(8).integers(4, 384, size=32).tolist()   # exactly two pages
     params = SamplingParams(max_tokens=4, **GREEDY)
     a = single.generate([prompt], params)[0].token_ids
-    pool, hits = single.engine.replicas[0].pool, single.engine.replicas[0].pool.hits
+    pool, hits = single.engine.schedulers[0].pool, single.engine.schedulers[0].pool.hits
     b = single.generate([prompt], params)[0].token_ids
     assert a == b and pool.hits - hits == 1                     # the page holding the last token is recomputed
 
@@ -123,19 +128,19 @@ def test_abort_returns_pages_at_once(single):
     assert free_pages(single)[0] == total
 
 
-def test_no_recompilation_after_warm_up(single):
+def test_continuous_batching_compiles_nothing_after_warm_up(single):
     serve(single, workload(2))
     before = single.engine.compilations
     serve(single, workload(3))                                  # same shape of workload, other tokens
     assert single.engine.compilations == before
 
 
-def test_refused_requests_leave_the_others_running(single):
+def test_refused_requests_leave_the_others_running(single, llama):
     engine = single.engine
     ok = engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, **GREEDY))
     with pytest.raises(RequestError, match="context limit of 512"):
         engine.add_request(list(np.full(600, 9)), SamplingParams(max_tokens=4))
-    small = LLM(FIXTURES / "llama", dtype="float32", num_pages=4)   # 64 tokens of KV
+    small = LLM(llama, dtype="float32", num_pages=4)   # 64 tokens of KV
     with pytest.raises(RequestError, match="KV page pool of 64 tokens"):
         small.engine.add_request(list(np.full(100, 9)), SamplingParams(max_tokens=4))
     while engine.has_unfinished():
@@ -154,21 +159,22 @@ def test_streaming_yields_tokens_as_produced(single):
     assert seen == r.output
 
 
-def test_pallas_backend_in_interpret_mode_matches_xla():
+def test_pallas_backend_in_interpret_mode_matches_xla(hf_tiny, golden):
     """The Pallas kernels (interpret mode on CPU) inside the real engine give the same tokens and logits.
     qwen3: head_dim 16, the smallest the Triton kernel takes."""
     kw = dict(mesh="tp=2", dtype="float32", max_tokens_per_step=32)
-    pallas = LLM(FIXTURES / "qwen3", attention_backend="pallas", **kw)
-    xla = LLM(FIXTURES / "qwen3", attention_backend="xla", **kw)
+    pallas = LLM(hf_tiny / "qwen3", attention_backend="pallas", **kw)
+    xla = LLM(hf_tiny / "qwen3", attention_backend="xla", **kw)
+    assert (pallas.engine.runner.backend, xla.engine.runner.backend) == ("pallas", "xla")
     requests = workload(4, n=3)
     assert alone(pallas, requests) == alone(xla, requests)
-    g = np.load(FIXTURES / "qwen3" / "golden.npz")
-    ids = list(map(int, g["input_ids"][1, : g["lengths"][1]]))
-    np.testing.assert_allclose(pallas.logits([ids])[0], g["logits"][1, : len(ids)], atol=1e-4, rtol=0)
+    g = golden("qwen3")
+    ids = g.prompts[1]
+    np.testing.assert_allclose(pallas.logits([ids])[0], g.logits[1, : len(ids)], atol=1e-4, rtol=0)
 
 
-def test_pallas_backend_refuses_shapes_it_cannot_tile():
+def test_pallas_backend_refuses_shapes_it_cannot_tile(llama):
     with pytest.raises(ValueError, match="head_dim 8"):        # the llama fixture: head_dim 8
-        LLM(FIXTURES / "llama", dtype="float32", attention_backend="pallas")
+        LLM(llama, dtype="float32", attention_backend="pallas")
     with pytest.raises(ValueError, match="not one of xla, pallas"):
-        LLM(FIXTURES / "llama", dtype="float32", attention_backend="cuda")
+        LLM(llama, dtype="float32", attention_backend="cuda")

@@ -10,18 +10,13 @@ import pytest
 
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError, byte_level_tokenizer_json
 
-FIXTURES = Path(__file__).parent.parent.parent / "shared/fixtures/hf-tiny"
 NAMES = ["llama", "llama3_scaled", "qwen2", "qwen3"]
 TEXT = "Distributed inference, naïve café 😀 — splits across devices!"
 
 
-def _prompts(name):
-    return json.loads((FIXTURES / name / "golden.json").read_text())["prompts"]
-
-
 @pytest.fixture(scope="module")
-def tok():
-    return Tokenizer.from_dir(FIXTURES / "llama")
+def tok(hf_tiny):
+    return Tokenizer.from_dir(hf_tiny / "llama")
 
 
 @pytest.fixture(scope="module")
@@ -32,20 +27,21 @@ def byte_tok(tmp_path_factory):
     return Tokenizer.from_dir(d)
 
 
-def _copy_fixture(tmp_path, name="llama"):
-    d = tmp_path / name
-    shutil.copytree(FIXTURES / name, d, ignore=shutil.ignore_patterns("*.safetensors*", "golden.*"))
+@pytest.fixture
+def llama_copy(tmp_path, hf_tiny) -> Path:
+    """A writable copy of the tiny Llama's tokenizer and config files (no weights)."""
+    d = tmp_path / "llama"
+    shutil.copytree(hf_tiny / "llama", d, ignore=shutil.ignore_patterns("*.safetensors*", "golden.*"))
     return d
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_encode_matches_golden(name):
-    t = Tokenizer.from_dir(FIXTURES / name)
-    golden = np.load(FIXTURES / name / "golden.npz")
-    ids, lengths = golden["input_ids"], golden["lengths"]
+def test_encode_matches_golden(name, hf_tiny, golden):
+    t = Tokenizer.from_dir(hf_tiny / name)
+    g = golden(name)
     assert t.bos_id == 1 and t.pad_id == 3 and 2 in t.eos_ids
-    for i, prompt in enumerate(_prompts(name)):
-        want = ids[i, : lengths[i]].tolist()
+    assert len(g.texts) == len(g.prompts)
+    for prompt, want in zip(g.texts, g.prompts, strict=True):
         assert want[0] == 1
         assert t.encode(prompt, add_bos=True) == want
         assert t.encode(prompt) == want[1:]  # no BOS from post-processor, no add_bos_token
@@ -59,8 +55,8 @@ def test_add_bos_never_twice(tok):
     assert tok.encode("<s>Ring", add_bos=False) == [1, 334]  # a BOS written in the text is not stripped
 
 
-def test_add_bos_token_from_config(tmp_path):
-    d = _copy_fixture(tmp_path)
+def test_add_bos_token_from_config(llama_copy):
+    d = llama_copy
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": True}))
     t = Tokenizer.from_dir(d)
@@ -77,8 +73,8 @@ def test_chat_template(tok):
     assert tok.decode(ids, skip_special_tokens=False) == "<s>user: Hi</s><s>assistant:"
 
 
-def test_chat_template_from_tokenizer_config(tmp_path):
-    d = _copy_fixture(tmp_path)
+def test_chat_template_from_tokenizer_config(llama_copy):
+    d = llama_copy
     (d / "chat_template.jinja").unlink()
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     default = (  # the newline after the block tag goes, as with transformers' trim_blocks
@@ -94,8 +90,8 @@ def test_chat_template_from_tokenizer_config(tmp_path):
         t.apply_chat_template([{"role": "x", "content": "Hi"}])
 
 
-def test_no_chat_template(tmp_path):
-    d = _copy_fixture(tmp_path)
+def test_no_chat_template(llama_copy):
+    d = llama_copy
     (d / "chat_template.jinja").unlink()
     t = Tokenizer.from_dir(d)
     with pytest.raises(TokenizerError, match="chat template"):
@@ -107,16 +103,16 @@ def test_missing_tokenizer_json(tmp_path):
         Tokenizer.from_dir(tmp_path)
 
 
-def test_eos_ids_merged(tmp_path):
-    d = _copy_fixture(tmp_path)
+def test_eos_ids_merged(llama_copy):
+    d = llama_copy
     gen = json.loads((d / "generation_config.json").read_text())
     (d / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [5, 7]}))
     t = Tokenizer.from_dir(d)
     assert sorted(t.eos_ids) == [2, 5, 7]
 
 
-def test_ids_from_model_configs_without_tokenizer_config(tmp_path):
-    d = _copy_fixture(tmp_path)
+def test_ids_from_model_configs_without_tokenizer_config(llama_copy):
+    d = llama_copy
     (d / "tokenizer_config.json").unlink()
     t = Tokenizer.from_dir(d)
     assert (t.bos_id, t.eos_ids, t.pad_id) == (1, [2], 3)

@@ -1,0 +1,51 @@
+"""The one attention entry point models call (through StepContext.attention), and the choice of backend.
+
+`attention` = RoPE on q and k, k/v written into their cache pages, then causal attention of each token
+over its own sequence's pages. How it runs is engine configuration, not model code:
+- "xla": the pure-jnp references, the default on CPU;
+- "pallas": the Pallas GPU kernels (interpret mode on CPU), the default on GPU where they tile the shapes.
+Both run per device (paged.py); ring attention and sharded-KV decode over sp will join them here.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+
+from jaxinfer.attention import paged
+from jaxinfer.batch import StepMetadata
+from jaxinfer.kv_cache import PagedKVCache
+from jaxinfer.sharding import Layout
+
+BACKENDS = ("xla", "pallas")
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, layer: jax.Array,
+              inv_freq: jax.Array, meta: StepMetadata, layout: Layout, backend: str) -> tuple[jax.Array, PagedKVCache]:
+    """q [R, N, H, D], k and v [R, N, KV, D] -> (attention output [R, N, H, D], the cache with this step's K/V)."""
+    chex.assert_rank([q, k, v], 4)
+    chex.assert_equal_shape([k, v])
+    chex.assert_equal_shape([q, k], dims=(0, 1, 3))
+    chex.assert_type([k, v], q.dtype)
+    chex.assert_shape(inv_freq, (q.shape[-1] // 2,))
+    chex.assert_equal_shape([cache.k, cache.v])
+    q, cache = paged.rope_and_store(q, k, v, cache, layer, meta, inv_freq, layout, backend)
+    return paged.paged_attention(q, cache, layer, meta, layout, backend), cache
+
+
+def pallas_supports(head_dim: int, page_size: int) -> bool:
+    """The Triton kernels tile power-of-two dims of at least 16 (a dot's K dimension)."""
+    return all(n >= 16 and n & (n - 1) == 0 for n in (head_dim, page_size))
+
+
+def choose_backend(requested: str | None, platform: str, head_dim: int, page_size: int) -> str:
+    """The kernels on GPU where they can serve the shapes, else the reference; an explicit choice is checked."""
+    if requested is None:
+        return "pallas" if platform == "gpu" and pallas_supports(head_dim, page_size) else "xla"
+    if requested not in BACKENDS:
+        raise ValueError(f"attention backend {requested!r} is not one of {', '.join(BACKENDS)}")
+    if requested == "pallas" and not pallas_supports(head_dim, page_size):
+        raise ValueError(f"the pallas attention backend needs head_dim and page_size to be powers of two >= 16; "
+                         f"this model has head_dim {head_dim} and the cache page_size {page_size}: use "
+                         f"attention_backend='xla'")
+    return requested

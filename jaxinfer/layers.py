@@ -1,0 +1,124 @@
+"""The loop over a model's layers, the weights container it walks, and what each layer is given.
+
+A model is three stage functions (jaxinfer.models.Model): embed, one decoder layer, and the head. Its
+layer weights come as `LayerStack`s: runs of consecutive layers of one kind (a dense MLP or a mixture of
+experts), each weight stacked along a leading "layers" axis, so a run is one `lax.scan` and compile time
+stays flat in depth. A model whose layers are all alike is one stack; Qwen3-MoE with `mlp_only_layers`
+is several. This module is the one place that loops over layers (a pipeline over pp will slice stacks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxinfer.checkpoint import ParamSpec
+from jaxinfer.sharding import Axes, Layout
+
+if TYPE_CHECKING:
+    from jaxinfer.batch import StepMetadata
+    from jaxinfer.kv_cache import PagedKVCache
+
+ACTIVATIONS: Axes = ("batch", "seq", "embed")  # [replicas, tokens per replica, hidden]
+
+
+@struct.dataclass
+class LayerStack:
+    """Layers first .. first + n - 1 of one kind: the model's layer weights, each leaf [n, ...]."""
+
+    weights: Any
+    first: int = struct.field(pytree_node=False)
+
+    @property
+    def size(self) -> int:
+        return jax.tree.leaves(self.weights)[0].shape[0]
+
+
+@struct.dataclass
+class Weights:
+    """A model's weights: its embedding, its layer stacks in order, and its head (each the model's own
+    pytree). Leaves are ParamSpec before loading and sharded jax.Arrays after."""
+
+    embed: Any
+    layers: tuple[LayerStack, ...]
+    head: Any
+
+
+def stacked(spec: ParamSpec, layer_ids: tuple[int, ...]) -> ParamSpec:
+    """One layer's weight repeated over `layer_ids`, read from the checkpoint's {layer}-numbered tensors."""
+    return dataclasses.replace(spec, shape=(len(layer_ids), *spec.shape), axes=("layers", *spec.axes),
+                               layer_ids=layer_ids)
+
+
+def stack_layers(num_layers: int, kind: Callable[[int], Hashable],
+                 layer: Callable[[Any], Any]) -> tuple[LayerStack, ...]:
+    """Group consecutive layers of equal `kind(i)` into stacks; `layer(kind)` gives one layer's ParamSpec tree."""
+    stacks = []
+    for k, run in itertools.groupby(range(num_layers), key=kind):
+        ids = tuple(run)
+        specs = jax.tree.map(lambda s, ids=ids: stacked(s, ids), layer(k), is_leaf=lambda x: isinstance(x, ParamSpec))
+        stacks.append(LayerStack(specs, first=ids[0]))
+    return tuple(stacks)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """What a layer uses besides its weights: the mesh layout, this step's metadata, and the attention and
+    mixture-of-experts implementations. Model code calls these and never names a mesh axis."""
+
+    layout: Layout
+    meta: StepMetadata
+    backend: str  # attention: "xla" (the jnp reference) or "pallas" (the kernels)
+
+    def constrain(self, x: jax.Array, axes: Axes) -> jax.Array:
+        return self.layout.constrain(x, axes)
+
+    @property
+    def valid(self) -> jax.Array:
+        """bool [R, N]: which token slots of the step are real (the rest is bucket padding)."""
+        m = self.meta
+        n = m.positions.shape[1]
+        return jnp.arange(n)[None] < jnp.take_along_axis(m.query_start, m.num_seqs[:, None], 1)
+
+    def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, layer: jax.Array,
+                  inv_freq: jax.Array) -> tuple[jax.Array, PagedKVCache]:
+        """RoPE on q and k, k/v written into the cache, causal attention of each token over its sequence.
+        q [R, N, H, D], k and v [R, N, KV, D] -> (out [R, N, H, D], cache)."""
+        from jaxinfer.attention import attention
+
+        return attention(q, k, v, cache, layer, inv_freq, self.meta, self.layout, self.backend)
+
+    def moe(self, x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, *,
+            top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+        """Expert-parallel SwiGLU experts (jaxinfer.moe): (y [R, N, E], tokens per expert [R, X])."""
+        from jaxinfer.moe import moe
+
+        return moe(x, router, gate, up, down, self.valid, top_k=top_k, normalize=normalize, layout=self.layout)
+
+
+LayerFn = Callable[[Any, jax.Array, "PagedKVCache", jax.Array, StepContext], tuple[jax.Array, "PagedKVCache", Any]]
+
+
+def run_layers(layer: LayerFn, stacks: tuple[LayerStack, ...], x: jax.Array, cache: PagedKVCache,
+               ctx: StepContext) -> tuple[jax.Array, PagedKVCache, jax.Array | None]:
+    """Every stack in order, each one scan of `layer(weights, x, cache, layer index, ctx)`. A layer returns
+    (x, cache, counts or None); the counts of the layers that return them come back stacked, in layer order."""
+    counts = []
+    for stack in stacks:
+        def body(carry, xs):
+            x, cache = carry
+            w, i = xs
+            x, cache, aux = layer(w, x, cache, i, ctx)
+            return (x, cache), aux
+
+        ids = jnp.arange(stack.first, stack.first + stack.size, dtype=jnp.int32)
+        (x, cache), aux = jax.lax.scan(body, (x, cache), (stack.weights, ids))
+        if aux is not None:
+            counts.append(aux)
+    return x, cache, jnp.concatenate(counts) if counts else None

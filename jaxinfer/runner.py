@@ -1,0 +1,103 @@
+"""The device program: a model's weights and KV pool on the mesh, and the step that runs them.
+
+One jitted function per kind of step, compiled ahead of time once per bucket shape and kept:
+- "step": embed, every layer (writing K/V into the donated pool), the head on each sequence's last token,
+  padded vocabulary rows masked, then one token sampled per sequence on device;
+- "score": the same forward with float32 logits of every token (LLM.logits), nothing sampled.
+The latest executable of each phase is kept for the collective report.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.batch import StepBatch
+from jaxinfer.distributed import to_host
+from jaxinfer.kv_cache import PagedKVCache
+from jaxinfer.layers import StepContext, Weights, run_layers
+from jaxinfer.models import Model
+from jaxinfer.sampling import sample
+from jaxinfer.sharding import Layout
+
+
+def _global_array(x: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Array | np.ndarray:
+    """A host array (identical on every process) placed as the compiled step expects it; an input the
+    step does not use (no sharding: the scoring step samples nothing) is passed as it is."""
+    return x if sharding is None else jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+class ModelRunner:
+    """Runs steps of one model on one mesh; owns the weights, the KV pool and the compiled executables."""
+
+    def __init__(self, model: Model, layout: Layout, weights: Weights, cache: PagedKVCache, backend: str):
+        self.model, self.layout, self.weights, self.cache, self.backend = model, layout, weights, cache, backend
+        self.vocab_size = model.cfg.vocab_size
+        self.executables: dict[tuple, jax.stages.Compiled] = {}
+        self.last: dict[str, jax.stages.Compiled] = {}   # phase -> its latest executable
+        self.compile_seconds = 0.0
+        self._jitted = {"step": jax.jit(self._step, donate_argnums=(1,)),
+                        "score": jax.jit(self._score, donate_argnums=(1,))}
+
+    @property
+    def compilations(self) -> int:
+        return len(self.executables)
+
+    # ---- traced ---------------------------------------------------------------------------------
+    def _forward(self, weights: Weights, cache: PagedKVCache, batch: StepBatch):
+        ctx = StepContext(self.layout, batch.meta, self.backend)
+        x = self.model.embed(weights.embed, batch.tokens, ctx)
+        chex.assert_shape(x, (*batch.tokens.shape, self.model.cfg.hidden_size))
+        x, cache, counts = run_layers(self.model.layer, weights.layers, x, cache, ctx)
+        return x, cache, counts, ctx
+
+    def _step(self, weights: Weights, cache: PagedKVCache, batch: StepBatch):
+        x, cache, counts, ctx = self._forward(weights, cache, batch)
+        last = jnp.take_along_axis(x, batch.logits_index[..., None], axis=1)          # per-row gather
+        logits = self._real_vocab(self.model.head(weights.head, last, ctx))         # [R, S, V]
+        R, S, V = logits.shape
+        chex.assert_shape(last, (R, S, x.shape[-1]))
+        chex.assert_type(logits, jnp.float32)
+        logits = self.layout.constrain(logits, ("batch", None, "vocab"))  # pinned: gather logits, not weights
+        logits = self.layout.constrain(logits, ("batch", None, None)).reshape(R * S, V)
+        tokens = sample(logits, batch.sampling, batch.sample_positions).reshape(R, S)
+        return (tokens, counts), cache
+
+    def _score(self, weights: Weights, cache: PagedKVCache, batch: StepBatch):
+        x, cache, _, ctx = self._forward(weights, cache, batch)
+        logits = self.layout.constrain(self.model.head(weights.head, x, ctx), ("batch", "seq", "vocab"))
+        return self.layout.constrain(logits, ("batch", "seq", None))[..., : self.vocab_size], cache
+
+    def _real_vocab(self, logits: jax.Array) -> jax.Array:
+        """Rows added to pad the vocabulary to a multiple of tp can never be sampled."""
+        padded = logits.shape[-1]
+        if padded == self.vocab_size:
+            return logits
+        return jnp.where(jnp.arange(padded) < self.vocab_size, logits, -jnp.inf)
+
+    # ---- host -----------------------------------------------------------------------------------
+    def run(self, kind: str, batch: StepBatch, phase: str | None = None) -> Any:
+        """Compile ahead of time once per bucket (timed apart), then execute on the donated pool; the
+        outputs come back to the host. The executable is remembered as the latest of its phase."""
+        key = (kind, *(jax.typeof(x) for x in jax.tree.leaves(batch)))
+        if key not in self.executables:
+            t0 = time.perf_counter()
+            self.executables[key] = self._jitted[kind].lower(self.weights, self.cache, batch).compile()
+            self.compile_seconds += time.perf_counter() - t0
+        exe = self.last[phase or kind] = self.executables[key]
+        batch = jax.tree.map(_global_array, batch, exe.input_shardings[0][2])  # the same on every host
+        out, self.cache = exe(self.weights, self.cache, batch)
+        return jax.tree.map(to_host, out)
+
+    def step(self, batch: StepBatch, phase: str) -> tuple[np.ndarray, np.ndarray | None]:
+        """(sampled tokens [R, S], tokens routed to each expert [MoE layers, R, X] or None)."""
+        return self.run("step", batch, phase)
+
+    def score(self, batch: StepBatch) -> np.ndarray:
+        """float32 logits [R, N, V] of every token of the batch."""
+        return self.run("score", batch)

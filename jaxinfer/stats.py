@@ -1,0 +1,52 @@
+"""What the engine counts: step timings and token counts, and the expert load of MoE models."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_steps: int = 0          # steps that computed at least one prompt token
+    prefill_seconds: float = 0.0    # device time of those steps (compilation excluded)
+    prefill_tokens: int = 0
+    decode_seconds: float = 0.0     # device time of decode-only steps
+    decode_tokens: int = 0
+    decode_steps: int = 0
+    compile_seconds: float = 0.0
+    preemptions: int = 0
+
+    def copy(self) -> EngineStats:
+        return dataclasses.replace(self)
+
+    def __sub__(self, before: EngineStats) -> EngineStats:
+        """What happened since `before` (the counters are cumulative over the engine's life)."""
+        return EngineStats(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(before),
+                                                    strict=True)))
+
+
+class ExpertLoad:
+    """Tokens routed to each expert, per MoE layer: in the last step and since the engine started."""
+
+    def __init__(self):
+        self.last: np.ndarray | None = None     # int [moe layers, experts]
+        self.total: np.ndarray | None = None
+
+    def record(self, counts: np.ndarray) -> None:
+        self.last = counts
+        self.total = counts if self.total is None else self.total + counts
+
+    @staticmethod
+    def imbalance(counts: np.ndarray) -> np.ndarray:
+        """max / mean tokens per expert, per layer (1.0 is perfect balance; 0 for a layer that saw no token)."""
+        mean = counts.mean(axis=-1)
+        return np.where(mean > 0, counts.max(axis=-1) / np.where(mean > 0, mean, 1), 0.0)
+
+    def report(self) -> dict:
+        if self.total is None:
+            return {}
+        return {"last_step": {"tokens_per_expert": self.last.tolist(), "imbalance": self.imbalance(self.last).tolist()},
+                "total": {"tokens_per_expert": self.total.tolist(), "imbalance": self.imbalance(self.total).tolist()}}
