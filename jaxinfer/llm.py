@@ -56,7 +56,7 @@ class LLM:
             self.tokenizer = None  # token-id prompts still work
         self.layout = Layout(self.mesh_config.make())
         self.model = model_for(self.config)
-        specs = self.model.weights(kv_repeat=kv_head_repeat(self.config, self.mesh_config.tp),
+        specs = self.model.weights(kv_repeat=kv_head_repeat(self.config, self.layout.axis_size("kv_heads")),
                                    vocab_multiple=self.layout.axis_size("vocab"))
         weights = load_params(checkpoint, specs, self.layout.sharding, self.dtype)
         self.engine = Engine(self.model, self.layout, weights, self.dtype, engine_config, self.tokenizer)

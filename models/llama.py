@@ -9,6 +9,7 @@ mesh, and the StepContext runs attention and the experts wherever they live.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -286,9 +287,9 @@ class Mixtral(Mistral):
 
     @classmethod
     def config(cls, c: dict[str, Any]) -> ModelConfig:
-        return ModelConfig(**cls._fields(c), num_experts=_num_experts(c),
-                           experts_per_token=c["num_experts_per_tok"], moe_intermediate_size=c["intermediate_size"],
-                           norm_topk_prob=True)
+        return dataclasses.replace(super().config(c), num_experts=_num_experts(c),
+                                   experts_per_token=c["num_experts_per_tok"],
+                                   moe_intermediate_size=c["intermediate_size"], norm_topk_prob=True)
 
 
 @register("Qwen3MoeForCausalLM")
@@ -300,8 +301,8 @@ class Qwen3Moe(Qwen3):
     def config(cls, c: dict[str, Any]) -> ModelConfig:
         step = c.get("decoder_sparse_step") or 1
         dense = {i for i in range(c["num_hidden_layers"]) if (i + 1) % step or i in (c.get("mlp_only_layers") or [])}
-        bias = bool(c.get("attention_bias", False))
-        return ModelConfig(**cls._fields(c), qkv_bias=bias, o_bias=bias, qk_norm=True,
-                           num_experts=_num_experts(c), experts_per_token=c["num_experts_per_tok"],
-                           moe_intermediate_size=c.get("moe_intermediate_size") or c["intermediate_size"],
-                           norm_topk_prob=bool(c.get("norm_topk_prob", False)), dense_layers=tuple(sorted(dense)))
+        return dataclasses.replace(super().config(c), num_experts=_num_experts(c),
+                                   experts_per_token=c["num_experts_per_tok"],
+                                   moe_intermediate_size=c.get("moe_intermediate_size") or c["intermediate_size"],
+                                   norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+                                   dense_layers=tuple(sorted(dense)))
