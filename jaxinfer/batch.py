@@ -47,12 +47,18 @@ def bucket(n: int, minimum: int = 1, multiple: int = 1) -> int:
     return -(-size // multiple) * multiple
 
 
-def pack(outputs: list[SchedulerOutput], page_size: int, pool_pages: int) -> StepBatch:
-    """One row per replica (outputs[i] is replica i's work), padded to shared bucket shapes."""
+def bucket_shape(outputs: list[SchedulerOutput]) -> tuple[int, int, int]:
+    """(tokens, sequences, pages per sequence) per replica, each rounded up to its bucket."""
+    return (bucket(max(o.num_tokens for o in outputs)), bucket(max(len(o.sequences) for o in outputs)),
+            bucket(max((len(s.pages) for o in outputs for s in o.sequences), default=1)))
+
+
+def pack(outputs: list[SchedulerOutput], page_size: int, pool_pages: int,
+         shape: tuple[int, int, int] | None = None) -> StepBatch:
+    """One row per replica (outputs[i] is replica i's work), padded to shared bucket shapes (`shape`, at
+    least bucket_shape(outputs), when several batches must share one)."""
     P, R = page_size, len(outputs)
-    N = bucket(max(o.num_tokens for o in outputs))
-    S = bucket(max(len(o.sequences) for o in outputs))
-    max_pages = bucket(max((len(s.pages) for o in outputs for s in o.sequences), default=1))
+    N, S, max_pages = shape or bucket_shape(outputs)
     tokens, positions = np.zeros((R, N), np.int32), np.zeros((R, N), np.int32)
     slots = np.full((R, N), pool_pages * P, np.int32)
     page_table = np.zeros((R, S, max_pages), np.int32)

@@ -176,7 +176,7 @@ def step_log(engine):
         out = run(step, batch, phase)
         name = phase or step
         steps.append({"phase": name, "executable": runner.last[name],
-                      "tokens": int(np.asarray(batch.meta.query_start)[:, -1].sum()),
+                      "tokens": int(np.asarray(batch.meta.query_start)[..., -1].sum()),  # every stage's
                       "padded_tokens": math.prod(np.shape(batch.tokens))})
         return out
 

@@ -35,7 +35,8 @@ class ParamSpec:
     `view` splits the HF tensor's dims into groups (e.g. q_proj [H*D, E] is ((H, D), (E,))); our array is
     that view transposed by `perm`, with axis repeat[0] repeated repeat[1] times (KV-head replication).
     Leading "layers" and "experts" axes stack the tensors named by `hf` with {layer} and {expert};
-    `layer_ids` says which checkpoint layers a stack holds (e.g. only the MoE layers), default all.
+    `layer_ids` says which checkpoint layers a stack holds (e.g. only the MoE layers), default all; a None
+    among them is a slot that holds no layer (a pipeline stage's padding) and reads as zeros.
     """
 
     shape: tuple[int, ...]
@@ -44,7 +45,7 @@ class ParamSpec:
     view: tuple[tuple[int, ...], ...] | None = None
     perm: tuple[int, ...] | None = None
     repeat: tuple[int, int] = (0, 1)
-    layer_ids: tuple[int, ...] | None = None
+    layer_ids: tuple[int | None, ...] | None = None
     pad: tuple[int, int] | None = None  # (axis, size on disk): our axis is longer, the rest reads as zeros
 
     @property
@@ -73,12 +74,14 @@ class ParamSpec:
     def hf_shape(self) -> tuple[int, ...]:
         return tuple(math.prod(g) for g in self.groups)
 
-    def hf_name(self, position: int = 0, expert: int = 0) -> str:
+    def hf_name(self, position: int = 0, expert: int = 0) -> str | None:
+        """The checkpoint tensor of one stacked slot; None for a padding slot."""
         layer = self.layer_ids[position] if self.layer_ids is not None else position
-        return self.hf.format(layer=layer, expert=expert)
+        return None if layer is None else self.hf.format(layer=layer, expert=expert)
 
     def hf_names(self) -> list[str]:
-        return [self.hf_name(*ids) for ids in itertools.product(*map(range, self.shape[: self.stack_depth]))]
+        names = (self.hf_name(*ids) for ids in itertools.product(*map(range, self.shape[: self.stack_depth])))
+        return [n for n in names if n is not None]
 
 
 class SafetensorsFile:
@@ -171,8 +174,12 @@ class Checkpoint:
         if depth == 0:
             return self._read_one(spec, spec.hf, index)
         ranges = [range(*index[i].indices(spec.shape[i])) for i in range(depth)]
-        parts = [self._read_one(spec, spec.hf_name(*ids), index[depth:]) for ids in itertools.product(*ranges)]
-        return np.stack(parts).reshape(*map(len, ranges), *parts[0].shape)
+        rest = tuple(len(range(*s.indices(n))) for s, n in zip(index[depth:], spec.layer_shape, strict=True))
+        names = [spec.hf_name(*ids) for ids in itertools.product(*ranges)]
+        parts = {n: self._read_one(spec, n, index[depth:]) for n in names if n is not None}
+        dtype = next(iter(parts.values())).dtype if parts else np.float32
+        zeros = np.zeros(rest, dtype)
+        return np.stack([zeros if n is None else parts[n] for n in names]).reshape(*map(len, ranges), *rest)
 
     def _read_one(self, spec: ParamSpec, name: str, index: tuple[slice, ...]) -> np.ndarray:
         if spec.pad is not None:

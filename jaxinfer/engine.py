@@ -3,10 +3,15 @@
 Each step every replica's scheduler picks its work (decodes and prefill chunks together, a plain
 SchedulerOutput); jaxinfer.batch packs them into one bucketed batch; the ModelRunner runs it on the mesh
 and samples; each scheduler takes its sampled tokens back and says which requests finished.
+
+Under pp the step is one call of the pipeline (jaxinfer.pipeline): the new microbatch enters stage 0 and
+the tokens that come back are those of the microbatch scheduled pp - 1 steps earlier, so pp microbatches
+are in flight; with pp=1 they come back at once.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import time
@@ -23,6 +28,7 @@ from jaxinfer.kv_cache import PagedKVCache, page_bytes, pool_pages
 from jaxinfer.layers import Weights
 from jaxinfer.models import Model
 from jaxinfer.page_pool import PagePool
+from jaxinfer.pipeline import Microbatch, PipelineRunner, pack_stages
 from jaxinfer.runner import ModelRunner
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.scheduler import Request, ScheduledSequence, Scheduler, SchedulerOutput
@@ -59,16 +65,19 @@ class Engine:
         backend = choose_backend(config.attention_backend, device.platform, cfg.head_dim, config.page_size)
         tp = layout.axis_size("kv_heads")
         self.kv_heads = cfg.num_kv_heads * kv_head_repeat(cfg, tp)      # after replication for tp
-        per_page = page_bytes(cfg.num_layers, self.kv_heads // tp, config.page_size, cfg.head_dim, dtype)
+        self.stages = layout.axis_size("layers")                          # pp: pipeline stages
+        per_page = page_bytes(weights.stage_layers, self.kv_heads // tp, config.page_size, cfg.head_dim, dtype)
         self.pages_per_replica = pool_pages(config, device, device_bytes(weights, device), per_page,
                                             cfg.context_length)
         replicas = layout.axis_size("batch")                              # dp x ep replicas
-        cache = PagedKVCache.zeros(cfg.num_layers, self.kv_heads, replicas * self.pages_per_replica,
-                                   config.page_size, cfg.head_dim, dtype, layout)
-        self.runner = ModelRunner(model, layout, weights, cache, backend)
+        cache = PagedKVCache.zeros(self.stages * weights.stage_layers, self.kv_heads,
+                                   replicas * self.pages_per_replica, config.page_size, cfg.head_dim, dtype, layout)
+        self.runner = (PipelineRunner if self.stages > 1 else ModelRunner)(model, layout, weights, cache, backend)
         self.max_tokens = bucket(config.max_tokens_per_step, 16)
         self.schedulers = [Scheduler(PagePool(self.pages_per_replica, config.page_size, config.prefix_caching),
-                                     config.max_num_seqs, self.max_tokens) for _ in range(replicas)]
+                                     config.max_num_seqs, self.max_tokens, self.stages) for _ in range(replicas)]
+        # the microbatches at stages 1 .. pp - 1, newest first (None: nothing was scheduled there yet)
+        self.in_flight: collections.deque[Microbatch] = collections.deque([None] * (self.stages - 1))
         self.requests: dict[str, tuple[Request, Scheduler]] = {}
         self.stats = EngineStats()
         self.expert_load = ExpertLoad()
@@ -131,7 +140,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or any(mb and any(mb) for mb in self.in_flight)
 
     def reset_prefix_cache(self) -> None:
         """Empty every replica's prefix cache (e.g. between benchmark passes)."""
@@ -142,23 +151,33 @@ class Engine:
     def step(self) -> list[Request]:
         """Schedule, run one device step, hand out the sampled tokens; returns the requests that finished."""
         outputs = [s.schedule() for s in self.schedulers]
-        if not any(outputs):
+        stages = [outputs, *self.in_flight]                     # stages[s]: the microbatch stage s runs now
+        busy = [mb is not None and any(mb) for mb in stages]
+        if not any(busy):
             if self.requests:
                 raise EngineStalled(self._stall_report())
             return []
-        prefill = any(o.prefill for o in outputs)
+        prefill = any(o.prefill for mb in stages if mb for o in mb)
         t0, compiled = time.perf_counter(), self.runner.compile_seconds
-        sampled, counts = self.runner.step(pack(outputs, self.config.page_size, self.pages_per_replica),
-                                           "prefill" if prefill else "decode")
+        if self.stages == 1:
+            batch = pack(outputs, self.config.page_size, self.pages_per_replica)
+        else:
+            batch = pack_stages(stages, self.config.page_size, self.pages_per_replica, len(self.schedulers))
+        sampled, counts = self.runner.step(batch, "prefill" if prefill else "decode")
         if counts is not None:
             self.expert_load.record(counts.sum(axis=1))
         seconds = time.perf_counter() - t0 - (self.runner.compile_seconds - compiled)
-        finished = [r for sched, out, row in zip(self.schedulers, outputs, sampled, strict=True)
-                    for r in sched.update(out, row)]
+        done = stages[-1]                                        # left the last stage: its tokens are back
+        self.in_flight = collections.deque(stages[:-1])
+        finished = [] if done is None else [r for sched, out, row in zip(self.schedulers, done, sampled, strict=True)
+                                            for r in sched.update(out, row)]
         for r in finished:
             del self.requests[r.id]
         s = self.stats
         s.steps += 1
+        s.stage_steps += self.stages
+        s.busy_stage_steps += sum(busy)
+        s.microbatches += bool(busy[0])
         s.compile_seconds = self.runner.compile_seconds
         s.preemptions = sum(sch.preemptions for sch in self.schedulers)
         if prefill:
@@ -168,7 +187,7 @@ class Engine:
         else:
             s.decode_steps += 1
             s.decode_seconds += seconds
-            s.decode_tokens += sum(seq.samples for o in outputs for seq in o.sequences)
+            s.decode_tokens += sum(seq.samples for o in done or [] for seq in o.sequences)
         return finished
 
     def _stall_report(self) -> str:

@@ -4,7 +4,8 @@ A model is three stage functions (jaxinfer.models.Model): embed, one decoder lay
 layer weights come as `LayerStack`s: runs of consecutive layers of one kind (a dense MLP or a mixture of
 experts), each weight stacked along a leading "layers" axis, so a run is one `lax.scan` and compile time
 stays flat in depth. A model whose layers are all alike is one stack; Qwen3-MoE with `mlp_only_layers`
-is several. This module is the one place that loops over layers (a pipeline over pp will slice stacks).
+is several. This module is the one place that loops over layers; a pipeline over pp (jaxinfer.pipeline)
+regroups each stack stage by stage, and every stage runs this same loop over its own slice.
 """
 
 from __future__ import annotations
@@ -30,14 +31,31 @@ ACTIVATIONS: Axes = ("batch", "seq", "embed")  # [replicas, tokens per replica, 
 
 @struct.dataclass
 class LayerStack:
-    """Layers first .. first + n - 1 of one kind: the model's layer weights, each leaf [n, ...]."""
+    """Consecutive layers of one kind: the model's layer weights, each leaf [n, ...], and where they sit.
+
+    `first` is the KV-pool layer slot of the stack's first layer. `stages` is None on one pipeline stage
+    (the stack is layers first .. first + n - 1); under pp it gives, per stage, the model layer held by each
+    of the stage's slots, None where a stage holds fewer of this stack's layers than another (a padding
+    slot: its output is discarded), and the leaves are [stages x slots, ...], stage-major.
+    """
 
     weights: Any
     first: int = struct.field(pytree_node=False)
+    stages: tuple[tuple[int | None, ...], ...] | None = struct.field(pytree_node=False, default=None)
 
     @property
     def size(self) -> int:
+        """Layers in the leaves as seen here: all of them outside a stage, the stage's own inside one."""
         return jax.tree.leaves(self.weights)[0].shape[0]
+
+    @property
+    def slots(self) -> int:
+        """KV-pool layer slots the stack takes on each stage."""
+        return len(self.stages[0]) if self.stages is not None else self.size
+
+    @property
+    def padded(self) -> bool:
+        return self.stages is not None and any(i is None for s in self.stages for i in s)
 
 
 @struct.dataclass
@@ -48,6 +66,11 @@ class Weights:
     embed: Any
     layers: tuple[LayerStack, ...]
     head: Any
+
+    @property
+    def stage_layers(self) -> int:
+        """KV-pool layer slots per pipeline stage (all the layers when there is one stage)."""
+        return sum(s.slots for s in self.layers)
 
 
 def stacked(spec: ParamSpec, layer_ids: tuple[int, ...]) -> ParamSpec:
@@ -75,6 +98,7 @@ class StepContext:
     layout: Layout
     meta: StepMetadata
     backend: str  # attention: "xla" (the jnp reference) or "pallas" (the kernels)
+    stage: jax.Array | int = 0  # the pipeline stage running these layers
 
     def constrain(self, x: jax.Array, axes: Axes) -> jax.Array:
         return self.layout.constrain(x, axes)
@@ -108,17 +132,23 @@ LayerFn = Callable[[Any, jax.Array, "PagedKVCache", jax.Array, StepContext], tup
 def run_layers(layer: LayerFn, stacks: tuple[LayerStack, ...], x: jax.Array, cache: PagedKVCache,
                ctx: StepContext) -> tuple[jax.Array, PagedKVCache, jax.Array | None]:
     """Every stack in order, each one scan of `layer(weights, x, cache, layer index, ctx)`. A layer returns
-    (x, cache, counts or None); the counts of the layers that return them come back stacked, in layer order."""
+    (x, cache, counts or None); the counts of the layers that return them come back stacked, in slot order.
+    A stage's padding slots run like any layer, but their output is discarded and their counts are zero."""
     counts = []
     for stack in stacks:
         def body(carry, xs):
             x, cache = carry
-            w, i = xs
-            x, cache, aux = layer(w, x, cache, i, ctx)
-            return (x, cache), aux
+            w, i, real = xs
+            y, cache, aux = layer(w, x, cache, i, ctx)
+            if real is not None:
+                y = jnp.where(real, y, x)
+                aux = None if aux is None else aux * real
+            return (y, cache), aux
 
         ids = jnp.arange(stack.first, stack.first + stack.size, dtype=jnp.int32)
-        (x, cache), aux = jax.lax.scan(body, (x, cache), (stack.weights, ids))
+        real = (jnp.asarray([[i is not None for i in s] for s in stack.stages])[ctx.stage] if stack.padded
+                else None)
+        (x, cache), aux = jax.lax.scan(body, (x, cache), (stack.weights, ids, real))
         if aux is not None:
             counts.append(aux)
     return x, cache, jnp.concatenate(counts) if counts else None

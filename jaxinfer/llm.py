@@ -17,6 +17,7 @@ from jaxinfer.engine import Completion, Engine
 from jaxinfer.layers import Weights
 from jaxinfer.mesh import MeshConfig
 from jaxinfer.models import model_for
+from jaxinfer.pipeline import split_stages
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sharding import Layout, device_bytes, kv_head_repeat, validate
 from jaxinfer.tokenizer import Tokenizer, TokenizerError
@@ -58,6 +59,7 @@ class LLM:
         self.model = model_for(self.config)
         specs = self.model.weights(kv_repeat=kv_head_repeat(self.config, self.layout.axis_size("kv_heads")),
                                    vocab_multiple=self.layout.axis_size("vocab"))
+        specs = split_stages(specs, self.config.num_layers, self.layout.axis_size("layers"))
         weights = load_params(checkpoint, specs, self.layout.sharding, self.dtype)
         self.engine = Engine(self.model, self.layout, weights, self.dtype, engine_config, self.tokenizer)
         log.info("loaded %s (%s) on mesh %s in %s", self.path, self.config.architecture, self.mesh_config,

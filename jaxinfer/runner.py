@@ -4,11 +4,14 @@ One jitted function per kind of step, compiled ahead of time once per bucket sha
 - "step": embed, every layer (writing K/V into the donated pool), the head on each sequence's last token,
   padded vocabulary rows masked, then one token sampled per sequence on device;
 - "score": the same forward with float32 logits of every token (LLM.logits), nothing sampled.
-The latest executable of each phase is kept for the collective report.
+The latest executable of each phase is kept for the collective report. The runner's `state` is what
+each step donates and gets back: here the KV pool; a pipeline over pp (jaxinfer.pipeline) adds the
+activations in flight between its stages.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -36,7 +39,8 @@ class ModelRunner:
     """Runs steps of one model on one mesh; owns the weights, the KV pool and the compiled executables."""
 
     def __init__(self, model: Model, layout: Layout, weights: Weights, cache: PagedKVCache, backend: str):
-        self.model, self.layout, self.weights, self.cache, self.backend = model, layout, weights, cache, backend
+        self.model, self.layout, self.weights, self.backend = model, layout, weights, backend
+        self.state: Any = cache
         self.vocab_size = model.cfg.vocab_size
         self.executables: dict[tuple, jax.stages.Compiled] = {}
         self.last: dict[str, jax.stages.Compiled] = {}   # phase -> its latest executable
@@ -48,30 +52,47 @@ class ModelRunner:
     def compilations(self) -> int:
         return len(self.executables)
 
+    @property
+    def cache(self) -> PagedKVCache:
+        return self.state
+
     # ---- traced ---------------------------------------------------------------------------------
+    def _embed(self, embed: Any, tokens: jax.Array, ctx: StepContext) -> jax.Array:
+        x = self.model.embed(embed, tokens, ctx)
+        chex.assert_shape(x, (*tokens.shape, self.model.cfg.hidden_size))
+        return x
+
     def _forward(self, weights: Weights, cache: PagedKVCache, batch: StepBatch):
         ctx = StepContext(self.layout, batch.meta, self.backend)
-        x = self.model.embed(weights.embed, batch.tokens, ctx)
-        chex.assert_shape(x, (*batch.tokens.shape, self.model.cfg.hidden_size))
-        x, cache, counts = run_layers(self.model.layer, weights.layers, x, cache, ctx)
+        x, cache, counts = run_layers(self.model.layer, weights.layers, self._embed(weights.embed, batch.tokens, ctx),
+                                      cache, ctx)
         return x, cache, counts, ctx
 
-    def _step(self, weights: Weights, cache: PagedKVCache, batch: StepBatch):
-        x, cache, counts, ctx = self._forward(weights, cache, batch)
-        last = jnp.take_along_axis(x, batch.logits_index[..., None], axis=1)          # per-row gather
-        logits = self._real_vocab(self.model.head(weights.head, last, ctx))         # [R, S, V]
+    def _sample(self, head: Any, x: jax.Array, logits_index: jax.Array, sample_positions: jax.Array,
+                sampling: Any, ctx: StepContext) -> jax.Array:
+        """The head on each sequence's last token of this step, then one token drawn per sequence: [R, S]."""
+        last = jnp.take_along_axis(x, logits_index[..., None], axis=1)               # per-row gather
+        logits = self._real_vocab(self.model.head(head, last, ctx))                 # [R, S, V]
         R, S, V = logits.shape
         chex.assert_shape(last, (R, S, x.shape[-1]))
         chex.assert_type(logits, jnp.float32)
-        logits = self.layout.constrain(logits, ("batch", None, "vocab"))  # pinned: gather logits, not weights
-        logits = self.layout.constrain(logits, ("batch", None, None)).reshape(R * S, V)
-        tokens = sample(logits, batch.sampling, batch.sample_positions).reshape(R, S)
+        logits = ctx.constrain(logits, ("batch", None, "vocab"))  # pinned: gather logits, not weights
+        logits = ctx.constrain(logits, ("batch", None, None)).reshape(R * S, V)
+        return sample(logits, sampling, sample_positions).reshape(R, S)
+
+    def _logits(self, head: Any, x: jax.Array, ctx: StepContext) -> jax.Array:
+        """float32 logits [R, N, V] of every token."""
+        logits = ctx.constrain(self.model.head(head, x, ctx), ("batch", "seq", "vocab"))
+        return ctx.constrain(logits, ("batch", "seq", None))[..., : self.vocab_size]
+
+    def _step(self, weights: Weights, cache: PagedKVCache, batch: StepBatch):
+        x, cache, counts, ctx = self._forward(weights, cache, batch)
+        tokens = self._sample(weights.head, x, batch.logits_index, batch.sample_positions, batch.sampling, ctx)
         return (tokens, counts), cache
 
     def _score(self, weights: Weights, cache: PagedKVCache, batch: StepBatch):
         x, cache, _, ctx = self._forward(weights, cache, batch)
-        logits = self.layout.constrain(self.model.head(weights.head, x, ctx), ("batch", "seq", "vocab"))
-        return self.layout.constrain(logits, ("batch", "seq", None))[..., : self.vocab_size], cache
+        return self._logits(weights.head, x, ctx), cache
 
     def _real_vocab(self, logits: jax.Array) -> jax.Array:
         """Rows added to pad the vocabulary to a multiple of tp can never be sampled."""
@@ -84,15 +105,19 @@ class ModelRunner:
     def run(self, kind: str, batch: StepBatch, phase: str | None = None) -> Any:
         """Compile ahead of time once per bucket (timed apart), then execute on the donated pool; the
         outputs come back to the host. The executable is remembered as the latest of its phase."""
-        key = (kind, *(jax.typeof(x) for x in jax.tree.leaves(batch)))
+        key = (kind, *(jax.typeof(x) for x in jax.tree.leaves((self.state, batch))))
         if key not in self.executables:
             t0 = time.perf_counter()
-            self.executables[key] = self._jitted[kind].lower(self.weights, self.cache, batch).compile()
+            with self._tracing():
+                self.executables[key] = self._jitted[kind].lower(self.weights, self.state, batch).compile()
             self.compile_seconds += time.perf_counter() - t0
         exe = self.last[phase or kind] = self.executables[key]
         batch = jax.tree.map(_global_array, batch, exe.input_shardings[0][2])  # the same on every host
-        out, self.cache = exe(self.weights, self.cache, batch)
+        out, self.state = exe(self.weights, self.state, batch)
         return jax.tree.map(to_host, out)
+
+    def _tracing(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def step(self, batch: StepBatch, phase: str) -> tuple[np.ndarray, np.ndarray | None]:
         """(sampled tokens [R, S], tokens routed to each expert [MoE layers, R, X] or None)."""

@@ -9,7 +9,15 @@ looked up in the prefix cache first, and only the rest is prefilled. A request t
 holds no pages.
 
 `schedule()` returns a plain `SchedulerOutput` (what to compute this step, nothing the device step has
-to ask a Request for); `update()` takes the sampled tokens back.
+to ask a Request for); `update()` takes the sampled tokens back, in the order the outputs were made.
+
+Under a pipeline of P stages, P scheduled outputs are in flight before the first comes back. A request's
+tokens are scheduled (sent to the device) before they are computed (in the cache on every stage): the
+chunks of a long prompt go out in consecutive steps, but a request waiting for its next token is not
+scheduled until the token is back. New requests are spread over the P in-flight microbatches (at most
+1/P of the requests in each), so a burst does not fill one microbatch and leave the others empty. Only a
+request with nothing in flight is preempted; aborting one that is in flight is safe, because a page it
+frees is reused only by later microbatches, which reach every stage after it.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ class Request:
     pages: list[int] = dataclasses.field(default_factory=list)
     hashes: list[bytes] = dataclasses.field(default_factory=list)  # chained keys of its full pages so far
     computed: int = 0                            # tokens whose keys/values are in the cache
+    scheduled: int = 0                           # tokens sent to the device (computed, or in flight)
     cached_tokens: int = 0                       # prompt tokens served from the prefix cache (last admission)
     finish_reason: str | None = None
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
@@ -49,7 +58,8 @@ class Request:
 
     @property
     def pending(self) -> int:
-        return len(self.prompt) + len(self.output) - self.computed
+        """Known tokens not yet sent to the device."""
+        return len(self.prompt) + len(self.output) - self.scheduled
 
     @property
     def text(self) -> str:
@@ -111,12 +121,12 @@ class SchedulerOutput:
 class Scheduler:
     """The requests and pages of one dp replica."""
 
-    def __init__(self, pool: PagePool, max_seqs: int, max_tokens: int):
-        self.pool, self.max_seqs, self.max_tokens = pool, max_seqs, max_tokens
+    def __init__(self, pool: PagePool, max_seqs: int, max_tokens: int, stages: int = 1):
+        self.pool, self.max_seqs, self.max_tokens, self.stages = pool, max_seqs, max_tokens, stages
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.preemptions = 0
-        self._scheduled: list[Request] = []
+        self._in_flight: collections.deque[list[Request]] = collections.deque()  # per non-empty output not updated
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -126,18 +136,26 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """This step's work: running requests first, then admissions."""
-        budget, scheduled, preempted = self.max_tokens, [], False
+        budget, scheduled, short = self.max_tokens, [], False
         for r in list(self.running):
-            if r not in self.running or budget == 0:
+            if r not in self.running or budget == 0 or not r.pending:
                 continue
             n = min(r.pending, budget)
-            while r in self.running and not self._grow(r, n):
-                preempted = True
-                self.preempt(self.running[-1])
-            if r in self.running:
+            while not self._grow(r, n):
+                victim = next((q for q in reversed(self.running) if q.scheduled == q.computed), None)
+                short = True
+                if victim is None:       # every other request is in flight: wait for pages to come back
+                    break
+                self.preempt(victim)
+                if victim is r:
+                    break
+            else:
                 scheduled.append((r, n))
+                r.scheduled += n
                 budget -= n
-        while self.waiting and not preempted and budget and len(self.running) < self.max_seqs:
+        share = -(-len(self) // self.stages)  # requests per in-flight microbatch, when spread evenly
+        while (self.waiting and not short and budget and len(self.running) < self.max_seqs
+               and len(scheduled) < share):
             r = self.waiting[0]
             self._lookup_prefix(r)
             n = min(r.pending, budget)
@@ -147,22 +165,28 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(r)
             scheduled.append((r, n))
+            r.scheduled += n
             budget -= n
-        self._scheduled = [r for r, _ in scheduled]
+        if scheduled:
+            self._in_flight.append([r for r, _ in scheduled])
         return SchedulerOutput([self._describe(r, n) for r, n in scheduled])
 
     def update(self, output: SchedulerOutput, sampled: Sequence[int]) -> list[Request]:
-        """After the device step: the scheduled tokens are in the cache, and each sequence that sampled
-        gets its token (sampled[i] for output.sequences[i]). Returns the requests that finished."""
+        """After the device step that completed `output` (the oldest one not yet updated): its tokens are in
+        the cache, and each sequence that sampled gets its token (sampled[i] for output.sequences[i]).
+        Requests aborted meanwhile are skipped. Returns the requests that finished."""
         finished = []
-        for r, seq, token in zip(self._scheduled, output.sequences, sampled, strict=False):
+        if not output:
+            return finished
+        for r, seq, token in zip(self._in_flight.popleft(), output.sequences, sampled, strict=False):
+            if r.finish_reason is not None:
+                continue
             self._computed(r, len(seq.token_ids))
             if seq.samples:
                 r.add_token(int(token))
                 if r.finish_reason:
                     self.finish(r)
                     finished.append(r)
-        self._scheduled = []
         return finished
 
     def preempt(self, r: Request) -> None:
@@ -180,8 +204,10 @@ class Scheduler:
             self.waiting.remove(r)
 
     def _describe(self, r: Request, n: int) -> ScheduledSequence:
-        return ScheduledSequence(r.id, r.tokens[r.computed: r.computed + n], r.computed, list(r.pages), r.params,
-                                 r.seed, samples=n == r.pending, prefill=n > 1 or not r.output)
+        """r's next n tokens (already counted as scheduled)."""
+        start = r.scheduled - n
+        return ScheduledSequence(r.id, r.tokens[start: r.scheduled], start, list(r.pages), r.params,
+                                 r.seed, samples=r.pending == 0, prefill=n > 1 or not r.output)
 
     def _lookup_prefix(self, r: Request) -> None:
         """(Re)admission: take the pages the prefix cache holds for r's tokens, never its last token."""
@@ -192,11 +218,11 @@ class Scheduler:
         hashes = page_hashes(r.tokens[: full * P], P)
         r.pages = self.pool.lookup(hashes)
         r.hashes = hashes[: len(r.pages)]
-        r.computed = r.cached_tokens = len(r.pages) * P
+        r.computed = r.scheduled = r.cached_tokens = len(r.pages) * P
 
     def _grow(self, r: Request, n: int) -> bool:
         """Give r the pages that n more tokens need."""
-        need = -(-(r.computed + n) // self.pool.page_size) - len(r.pages)
+        need = -(-(r.scheduled + n) // self.pool.page_size) - len(r.pages)
         pages = self.pool.allocate(need) if need > 0 else []
         if pages is None:
             return False
@@ -215,4 +241,4 @@ class Scheduler:
 
     def _release(self, r: Request) -> None:
         self.pool.release(r.pages)
-        r.pages, r.hashes, r.computed = [], [], 0
+        r.pages, r.hashes, r.computed, r.scheduled = [], [], 0, 0

@@ -28,7 +28,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "heads": "tp",      # column-parallel Q, row-parallel O
     "kv_heads": "tp",   # K/V heads (replicated first where tp exceeds them)
     "mlp": "tp",        # column-parallel gate/up, row-parallel down
-    "layers": None,     # pipeline stages will take slices of this axis over pp
+    "layers": "pp",     # pipeline stages: each holds its slice of the stacked layers (and of the KV pool)
     "seq": None,        # ring attention will shard this over sp
     "pages": ("dp", "ep"),  # each replica owns its slice of the KV page pool
     "experts": "ep",    # expert parallel: experts split over ep, tokens exchanged by all-to-all
@@ -46,10 +46,19 @@ class Layout:
 
     Mesh axes of size 1 are left out of every spec: the placement is the same, and nothing inside a
     shard_map then varies over them, so no collective over a one-device axis is ever emitted.
+
+    Inside a pipeline stage (`stage()`), pp is already manual: specs there are resolved against the mesh
+    in context (traced under `jax.set_mesh`), and the layers are the stage's own.
     """
 
     mesh: jax.sharding.Mesh
     rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = tuple(RULES.items())
+    in_stage: bool = False
+
+    def stage(self) -> Layout:
+        """The layout seen by the code of one pipeline stage."""
+        return dataclasses.replace(self, rules=tuple((k, None if k == "layers" else v) for k, v in self.rules),
+                                   in_stage=True)
 
     def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
         """The mesh axes (of size > 1) that split a logical axis."""
@@ -68,7 +77,7 @@ class Layout:
         return NamedSharding(self.mesh, self.spec(axes))
 
     def constrain(self, x: jax.Array, axes: Axes) -> jax.Array:
-        return jax.lax.with_sharding_constraint(x, self.sharding(axes))
+        return jax.lax.with_sharding_constraint(x, self.spec(axes) if self.in_stage else self.sharding(axes))
 
     def axis_size(self, logical: str) -> int:
         """How many shards a logical axis is split into."""
@@ -83,7 +92,8 @@ class Layout:
         def specs(tree: Any) -> Any:
             return jax.tree.map(self.spec, tree, is_leaf=_is_axes)
 
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=tuple(map(specs, in_axes)), out_specs=specs(out_axes),
+        mesh = jax.sharding.get_abstract_mesh() if self.in_stage else self.mesh
+        return jax.shard_map(fn, mesh=mesh, in_specs=tuple(map(specs, in_axes)), out_specs=specs(out_axes),
                              check_vma=check_vma)
 
 
@@ -117,7 +127,9 @@ def validate(cfg: ModelConfig, mesh: MeshConfig) -> None:
     elif mesh.ep > 1:
         raise MeshError(f"ep={mesh.ep}: expert parallel needs a mixture-of-experts model, and "
                         f"{cfg.architecture} is dense; use ep=1 (and dp for more replicas)")
-    for axis, what in (("pp", "pipeline parallel"), ("sp", "sequence parallel (ring attention)")):
-        if getattr(mesh, axis) > 1:
-            raise MeshError(f"{axis}={getattr(mesh, axis)}: {what} is not available for {cfg.architecture} "
-                            f"in this version of jaxinfer; use {axis}=1 with dp and tp")
+    if mesh.pp > cfg.num_layers:
+        raise MeshError(f"pp={mesh.pp} exceeds the model's {cfg.num_layers} layers: every pipeline stage needs "
+                        f"at least one layer; use pp <= {cfg.num_layers}")
+    if mesh.sp > 1:
+        raise MeshError(f"sp={mesh.sp}: sequence parallel (ring attention) is not available for {cfg.architecture} "
+                        f"in this version of jaxinfer; use sp=1 with dp, pp and tp")

@@ -18,6 +18,14 @@ class EngineStats:
     decode_steps: int = 0
     compile_seconds: float = 0.0
     preemptions: int = 0
+    stage_steps: int = 0            # pipeline stages x steps (steps, with one stage)
+    busy_stage_steps: int = 0       # of those, stages that held a microbatch with work
+    microbatches: int = 0           # steps that fed in new work
+
+    @property
+    def utilisation(self) -> float:
+        """Stage-steps that did real work over all stage-steps (1.0 without a pipeline, when always busy)."""
+        return self.busy_stage_steps / self.stage_steps if self.stage_steps else 0.0
 
     def copy(self) -> EngineStats:
         return dataclasses.replace(self)

@@ -114,3 +114,23 @@ def test_bench_moe_all_to_all_and_expert_load(tmp_path, capsys):
                        f"{a['ratio']:.3f}", f"{a['run_ratio']:.3f}"]
     shown = " ".join(f"{v:.2f}" for v in imbalance)
     assert f"batch 2: expert load imbalance (max/mean per layer) {shown} (max {max(imbalance):.2f})" in text
+
+
+def test_bench_pipeline_json(tmp_path, capsys):
+    """pp 1 and 2 on a 2-layer model: memory per device, the activation hop's bytes, and utilisation at the
+    formula's value (a count: the burst of 2 requests fills both slots back to back)."""
+    from jaxinfer import bench_pipeline
+
+    path = write_random_checkpoint(tmp_path / "tiny", TINY)
+    argv = ["--model", str(path), "--pp", "1", "2", "--requests", "2", "--prompt-len", "8", "--max-tokens", "3",
+            "--dtype", "float32", "--json"]
+    assert bench_pipeline.main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+    one, two = r["results"]
+    assert (one["pp"], two["pp"]) == (1, 2) and one["batch1_slowdown"] == 1.0
+    assert two["layer_bytes_per_device"] * 2 == one["layer_bytes_per_device"]
+    assert two["weight_bytes_per_device"] == two["layer_bytes_per_device"] + two["embed_and_head_bytes_per_device"]
+    assert two["kv_bytes_per_page_per_device"] * 2 == one["kv_bytes_per_page_per_device"]
+    assert two["microbatches"] == 2 * 3 and two["burst_steps"] == 2 * 3 + 1
+    assert two["utilisation"] == two["utilisation_formula"] == 6 / 7
+    assert two["decode_collective_permute"] == {"count": 1, "bytes": 1 * TINY["hidden_size"] * 4}

@@ -260,12 +260,20 @@ def test_vocab_need_not_divide_tp(llama_variant):
     validate(llama_variant(vocab_size=390), MeshConfig.parse("tp=4"))
 
 
-@pytest.mark.parametrize("axis", ["pp", "ep", "sp"])
+@pytest.mark.parametrize("axis", ["ep", "sp"])
 def test_unavailable_axes_on_a_dense_model(llama, axis):
     with pytest.raises(MeshError) as e:
         validate(llama, MeshConfig.parse(f"{axis}=2"))
     msg = str(e.value)
     assert f"{axis}=2" in msg and "LlamaForCausalLM" in msg and f"use {axis}=1" in msg
+
+
+def test_pp_needs_a_layer_per_stage(llama):
+    validate(llama, MeshConfig.parse(f"pp={llama.num_layers}"))
+    with pytest.raises(MeshError) as e:
+        validate(llama, MeshConfig.parse(f"pp={llama.num_layers + 1}"))
+    msg = str(e.value)
+    assert f"pp={llama.num_layers + 1}" in msg and f"{llama.num_layers} layers" in msg
 
 
 def test_llm_refuses_a_bad_mesh_before_loading(tmp_path, hf_tiny):
@@ -275,6 +283,10 @@ def test_llm_refuses_a_bad_mesh_before_loading(tmp_path, hf_tiny):
         LLM(hf_tiny / "llama", mesh="tp=3", dtype="float32")
     with pytest.raises(MeshError, match="16 devices"):
         LLM(hf_tiny / "llama", mesh="dp=2,tp=8", dtype="float32")
+    with pytest.raises(MeshError, match="16 devices"):
+        LLM(hf_tiny / "llama", mesh="pp=4,tp=4", dtype="float32")
+    with pytest.raises(MeshError, match="pp=5 exceeds the model's 4 layers"):
+        LLM(hf_tiny / "llama", mesh="pp=5", dtype="float32")
     # a checkpoint without weights: the mesh error comes before the checkpoint is opened
     d = tmp_path / "cfg-only"
     d.mkdir()

@@ -163,3 +163,71 @@ def test_reset_prefix_cache_frees_unreferenced_pages_and_forgets_keys():
     s.add(request("b", prompt, budget=1))
     [seq] = s.schedule().sequences
     assert seq.start == 0 and s.pool.hits == 0
+
+
+# ---- several microbatches in flight (a pipeline of `stages` stages) ----------------------------------------
+def pipeline_run(s: Scheduler, stages: int, max_steps: int = 400) -> list[list[str]]:
+    """Drive s as the engine does under pp: each step schedules one output, and the output scheduled
+    stages - 1 steps earlier comes back. Returns the request ids of every output, in order."""
+    in_flight, seen = [], []
+    for _ in range(max_steps):
+        if not len(s) and not any(in_flight):
+            return seen
+        out = s.schedule()
+        seen.append([q.request_id for q in out.sequences])
+        in_flight.append(out)
+        if len(in_flight) == stages:
+            done = in_flight.pop(0)
+            s.update(done, [7] * len(done.sequences))
+    raise AssertionError("did not finish")
+
+
+def test_a_burst_is_spread_over_the_microbatches_in_flight():
+    s = Scheduler(PagePool(64, P), max_seqs=16, max_tokens=64, stages=2)
+    for i in range(8):
+        s.add(request(f"r{i}", [1, 2, 3], budget=3))
+    seen = pipeline_run(s, stages=2)
+    assert [len(ids) for ids in seen[:2]] == [4, 4]          # not 8 then 0
+    assert sorted(seen[0] + seen[1]) == [f"r{i}" for i in range(8)]
+    work = [ids for ids in seen if ids]
+    assert work == [seen[0], seen[1]] * 3                    # 3 tokens each: each half decodes in its own slot
+    assert seen[:6] == work                                  # and no slot was left empty on the way
+
+
+def test_a_request_waits_for_its_token_but_prompt_chunks_go_out_back_to_back():
+    s = Scheduler(PagePool(64, P), max_seqs=4, max_tokens=4, stages=3)
+    r = request("a", list(range(10, 20)), budget=2)          # 10 tokens: chunks of 4, 4, 2
+    s.add(r)
+    starts = [[q.start for q in s.schedule().sequences] for _ in range(4)]
+    assert starts == [[0], [4], [8], []]                      # the last chunk samples: nothing until it is back
+    assert r.scheduled == 10 and r.computed == 0 and r.pending == 0
+
+
+def test_only_requests_with_nothing_in_flight_are_preempted():
+    s = Scheduler(PagePool(6, P), max_seqs=8, max_tokens=16, stages=2)
+    requests = [request(f"r{i}", [1 + i, 2, 3, 4, 5], budget=12) for i in range(4)]
+    for r in requests:
+        s.add(r)
+    preempt, victims = s.preempt, []
+
+    def checked(r):
+        assert r.scheduled == r.computed, f"{r.id} preempted with tokens in flight"
+        victims.append(r.id)
+        preempt(r)
+
+    s.preempt = checked
+    pipeline_run(s, stages=2)
+    assert victims and all(len(r.output) == 12 for r in requests)
+    assert s.pool.available == 6
+
+
+def test_a_request_aborted_in_flight_is_skipped_when_its_output_comes_back():
+    s = Scheduler(PagePool(8, P), max_seqs=4, max_tokens=8, stages=2)
+    a, b = request("a", [1, 2, 3], budget=2), request("b", [4, 5], budget=2)
+    s.add(a)
+    s.add(b)
+    first = s.schedule()
+    s.finish(a)
+    a.finish_reason = "abort"
+    assert s.update(first, [9]) == [] and a.output == []
+    assert pipeline_run(s, stages=2) and b.output == [7, 7] and s.pool.available == 8

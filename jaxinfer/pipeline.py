@@ -1,0 +1,243 @@
+"""Pipeline parallel over pp: consecutive layers per stage, and P microbatches in flight across steps.
+
+Stages. The layers are cut into `pp` runs of consecutive layers, the first `num_layers % pp` stages taking
+one more (5 layers on pp=2: 3 + 2). Each layer stack (a run of layers of one kind) is regrouped stage by
+stage and padded to the stage holding most of its layers, so one array sharded over pp gives each stage
+its slice; a padding slot holds zero weights, its output is discarded, and it costs one layer of weights
+and of KV pages on the stages that have it. The embedding and the LM head are replicated over pp (split
+over tp as usual): stage 0 embeds, the last stage computes the head and samples.
+
+The schedule (vLLM's batch queue and SGLang's slots, inside one SPMD program). One call of the step runs
+every stage once, each on the microbatch it holds: stage s works on the microbatch that entered s calls
+ago. Then one `lax.ppermute` passes each stage's output activations to the next stage; they wait there,
+in a donated buffer sharded over pp (the "carry"), until the next call. So each call takes in a newly
+scheduled microbatch at stage 0 and returns the tokens sampled for the one leaving the last stage, and P
+independently scheduled microbatches are in flight. A stage whose microbatch is empty skips its layers.
+Without gaps, M microbatches take M + P - 1 calls: utilisation M / (M + P - 1), the seeds' formula
+N*M / (N*M + K*(P-1)) with N = K = 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import PartitionSpec
+
+from jaxinfer.batch import StepBatch, StepMetadata, bucket_shape, pack
+from jaxinfer.checkpoint import ParamSpec
+from jaxinfer.kv_cache import POOL_AXES, PagedKVCache
+from jaxinfer.layers import ACTIVATIONS, LayerStack, StepContext, Weights, run_layers
+from jaxinfer.models import Model
+from jaxinfer.runner import ModelRunner
+from jaxinfer.sampling import SamplingArrays
+from jaxinfer.scheduler import SchedulerOutput
+from jaxinfer.sharding import Layout
+
+CARRY_AXES = ("layers", *ACTIVATIONS)  # [stages, replicas, tokens, hidden], sharded over pp like the layers
+COUNT_AXES = (None, "batch", None)      # tokens routed per MoE layer slot, replica and expert
+
+
+def stage_bounds(num_layers: int, stages: int) -> list[range]:
+    """The model layers of each stage: consecutive, the first num_layers % stages stages one longer."""
+    base, extra = divmod(num_layers, stages)
+    sizes = [base + (s < extra) for s in range(stages)]
+    starts = np.cumsum([0, *sizes])
+    return [range(starts[s], starts[s + 1]) for s in range(stages)]
+
+
+def split_stages(weights: Weights, num_layers: int, stages: int) -> Weights:
+    """A model's weight specs (ParamSpec leaves) regrouped into `stages` pipeline stages."""
+    if stages == 1:
+        return weights
+    bounds, first, out = stage_bounds(num_layers, stages), 0, []
+    for stack in weights.layers:
+        ids = jax.tree.leaves(stack.weights, is_leaf=lambda x: isinstance(x, ParamSpec))[0].layer_ids
+        held = [[i for i in ids if i in b] for b in bounds]
+        width = max(map(len, held))
+        slots = tuple(tuple(h + [None] * (width - len(h))) for h in held)
+        flat = tuple(i for s in slots for i in s)
+        specs = jax.tree.map(lambda p, flat=flat: dataclasses.replace(p, shape=(len(flat), *p.shape[1:]),
+                                                                      layer_ids=flat),
+                             stack.weights, is_leaf=lambda x: isinstance(x, ParamSpec))
+        out.append(LayerStack(specs, first=first, stages=slots))
+        first += width
+    return dataclasses.replace(weights, layers=tuple(out))
+
+
+def padding_slots(weights: Weights) -> int:
+    """Layer slots over all stages that hold no layer."""
+    return sum(i is None for stack in weights.layers if stack.stages for s in stack.stages for i in s)
+
+
+@struct.dataclass
+class PipelineState:
+    cache: PagedKVCache
+    carry: jax.Array  # [P, R, N, E]: the activations each stage passed on, waiting for the next stage
+
+
+@struct.dataclass
+class PipelineBatch:
+    """One call's inputs: the microbatch entering stage 0, every stage's metadata, and how to sample the
+    microbatch at the last stage."""
+
+    tokens: jax.Array            # int32 [R, N] the new microbatch's tokens (stage 0 embeds them)
+    meta: StepMetadata           # leaves [P, ...]: stage s's microbatch, which entered s calls ago
+    active: jax.Array            # bool [P] whether stage s's microbatch holds any work
+    logits_index: jax.Array      # the last stage's microbatch, as in StepBatch
+    sample_positions: jax.Array
+    sampling: SamplingArrays
+
+
+Microbatch = list[SchedulerOutput] | None  # one output per replica; None where nothing was ever scheduled
+
+
+def pack_stages(stages: list[Microbatch], page_size: int, pool_pages: int, replicas: int) -> PipelineBatch:
+    """The in-flight microbatches (stages[s] at stage s) packed to one shared bucket shape."""
+    empty = [SchedulerOutput([])] * replicas
+    outputs = [mb or empty for mb in stages]
+    shape = tuple(map(max, *(bucket_shape(o) for o in outputs))) if len(outputs) > 1 else bucket_shape(outputs[0])
+    batches = [pack(o, page_size, pool_pages, shape) for o in outputs]
+    meta = jax.tree.map(lambda *m: np.stack(m), *(b.meta for b in batches))
+    last = batches[-1]
+    active = np.array([any(o) for o in outputs])
+    return PipelineBatch(batches[0].tokens, meta, active, last.logits_index, last.sample_positions, last.sampling)
+
+
+def counts_by_layer(counts: np.ndarray, stacks: tuple[LayerStack, ...], moe_layers: tuple[int, ...]) -> np.ndarray:
+    """Routed-token counts [P, slots, R, X] of the stages' MoE slots -> [MoE layers, R, X] in model order
+    (summed over the microbatches the stages held)."""
+    order = {layer: i for i, layer in enumerate(moe_layers)}
+    slots = [tuple(s[j] for s in stack.stages) for stack in stacks for j in range(stack.slots)]
+    out = np.zeros((len(moe_layers), *counts.shape[2:]), counts.dtype)
+    for j, per_stage in enumerate(slots):
+        for s, layer in enumerate(per_stage):
+            if layer is not None:
+                out[order[layer]] += counts[s, j]
+    return out
+
+
+def _holds_only(stack: LayerStack, layers: tuple[int, ...]) -> bool:
+    return {i for s in stack.stages for i in s if i is not None} <= set(layers)
+
+
+class PipelineRunner(ModelRunner):
+    """A ModelRunner whose step is one pipeline call (see the module docstring)."""
+
+    def __init__(self, model: Model, layout: Layout, weights: Weights, cache: PagedKVCache, backend: str):
+        super().__init__(model, layout, weights, cache, backend)
+        self.stages = layout.axis_size("layers")
+        self.stage_layout = layout.stage()
+        self._moe_stacks = tuple(s for s in weights.layers if _holds_only(s, model.cfg.moe_layers))
+        replicas = layout.axis_size("batch")
+        dtype = jax.tree.leaves(weights.embed)[0].dtype
+        make = jax.jit(lambda: jnp.zeros((self.stages, replicas, 1, model.cfg.hidden_size), dtype),
+                       out_shardings=layout.sharding(CARRY_AXES))
+        self.state = PipelineState(cache, make())
+        self._resize = jax.jit(_resize, static_argnums=1,
+                               out_shardings=layout.sharding(CARRY_AXES))
+
+    @property
+    def cache(self) -> PagedKVCache:
+        return self.state.cache
+
+    def _tracing(self) -> contextlib.AbstractContextManager:
+        return jax.set_mesh(self.layout.mesh)  # the stage's specs are resolved against it
+
+    def run(self, kind: str, batch: Any, phase: str | None = None) -> Any:
+        tokens = batch.tokens.shape[1]
+        if kind == "step" and self.state.carry.shape[2] != tokens:
+            self.state = self.state.replace(carry=self._resize(self.state.carry, tokens))
+        return super().run(kind, batch, phase)
+
+    def step(self, batch: PipelineBatch, phase: str) -> tuple[np.ndarray, np.ndarray | None]:
+        """(tokens sampled for the microbatch leaving the last stage [R, S], its MoE counts or None)."""
+        tokens, counts = self.run("step", batch, phase)
+        return tokens, None if counts is None else counts_by_layer(counts, self._moe_stacks, self.model.cfg.moe_layers)
+
+    # ---- traced ---------------------------------------------------------------------------------
+    def _layers(self, layers: tuple[LayerStack, ...], x: jax.Array, cache: PagedKVCache, ctx: StepContext,
+                active: jax.Array):
+        """The stage's layers, or nothing at all where its microbatch is empty."""
+        def pinned(x, cache, counts):  # both branches of a cond must agree on their results' shardings
+            cache = jax.tree.map(lambda c: ctx.constrain(c, POOL_AXES), cache)
+            return ctx.constrain(x, ACTIVATIONS), cache, None if counts is None else ctx.constrain(counts, COUNT_AXES)
+
+        def work(x, cache):
+            return pinned(*run_layers(self.model.layer, layers, x, cache, ctx))
+
+        counts = jax.eval_shape(work, x, cache)[2]
+
+        def idle(x, cache):
+            return pinned(x, cache, None if counts is None else jnp.zeros(counts.shape, counts.dtype))
+
+        return jax.lax.cond(active, work, idle, x, cache)
+
+    @staticmethod
+    def _when(pred: jax.Array, fn, axes, ctx: StepContext) -> jax.Array:
+        """fn() where pred holds, zeros elsewhere (with one sharding either way)."""
+        out = jax.eval_shape(fn)
+        return jax.lax.cond(pred, lambda: ctx.constrain(fn(), axes),
+                            lambda: ctx.constrain(jnp.zeros(out.shape, out.dtype), axes))
+
+    def _stages(self, fn, weights: Weights, *args, in_specs: tuple, out_specs: Any):
+        """fn(layers, embed, head, *args) run per stage: pp manual, the other axes left to the compiler.
+        An argument or result marked "pp" is split over the stages along its leading axis, "" is replicated."""
+        over = functools.partial(jax.tree.map, lambda _: PartitionSpec("pp"))
+        rep = functools.partial(jax.tree.map, lambda _: PartitionSpec())
+        specs = (over(weights.layers), rep(weights.embed), rep(weights.head), *(
+            over(a) if s == "pp" else rep(a) for a, s in zip(args, in_specs, strict=True)))
+        outs = jax.tree.map(lambda s: PartitionSpec("pp") if s == "pp" else PartitionSpec(), out_specs)
+        return jax.shard_map(fn, mesh=self.layout.mesh, axis_names={"pp"}, in_specs=specs, out_specs=outs,
+                             check_vma=False)(weights.layers, weights.embed, weights.head, *args)
+
+    def _step(self, weights: Weights, state: PipelineState, batch: PipelineBatch):
+        P, last = self.stages, (batch.logits_index, batch.sample_positions, batch.sampling)
+
+        def stage(layers, embed, head, cache, carry, tokens, meta, active, last):
+            s, active = jax.lax.axis_index("pp"), active[0]
+            ctx = StepContext(self.stage_layout, jax.tree.map(lambda m: m[0], meta), self.backend, stage=s)
+            x = jax.lax.cond(s == 0, lambda: ctx.constrain(self._embed(embed, tokens, ctx), ACTIVATIONS),
+                             lambda: ctx.constrain(carry[0], ACTIVATIONS))
+            x, cache, counts = self._layers(layers, x, cache, ctx, active)
+            sampled = self._when((s == P - 1) & active, lambda: self._sample(head, x, *last, ctx), ("batch", None), ctx)
+            carry = jax.lax.ppermute(x, "pp", [(i, i + 1) for i in range(P - 1)])
+            sampled = jax.lax.psum(sampled, "pp")  # from the last stage (the others add zeros) to every device
+            return cache, carry[None], sampled, None if counts is None else counts[None]
+
+        cache, carry, sampled, counts = self._stages(
+            stage, weights, state.cache, state.carry, batch.tokens, batch.meta, batch.active, last,
+            in_specs=("pp", "pp", "", "pp", "pp", ""), out_specs=("pp", "pp", "", "pp"))
+        return (sampled, counts), PipelineState(cache, carry)
+
+    def _score(self, weights: Weights, state: PipelineState, batch: StepBatch):
+        """One microbatch through every stage within one call (a fill and drain): float32 logits [R, N, V]."""
+        P = self.stages
+
+        def stage(layers, embed, head, cache, tokens, meta):
+            s = jax.lax.axis_index("pp")
+            ctx = StepContext(self.stage_layout, meta, self.backend, stage=s)
+            x = self._embed(embed, tokens, ctx)
+            for i in range(P):
+                x, cache, _ = self._layers(layers, x, cache, ctx, s == i)
+                if i < P - 1:
+                    x = jax.lax.ppermute(x, "pp", [(j, j + 1) for j in range(P - 1)])
+            logits = self._when(s == P - 1, lambda: self._logits(head, x, ctx), ("batch", "seq", None), ctx)
+            return cache, logits[None]
+
+        cache, logits = self._stages(stage, weights, state.cache, batch.tokens, batch.meta,
+                                     in_specs=("pp", "", ""), out_specs=("pp", "pp"))
+        return logits[-1], state.replace(cache=cache)
+
+
+def _resize(carry: jax.Array, tokens: int) -> jax.Array:
+    """The carry for a call of `tokens` tokens per replica: every microbatch in flight fits (their tokens
+    are a prefix of the row), so cutting drops only padding."""
+    have = carry.shape[2]
+    return carry[:, :, :tokens] if tokens <= have else jnp.pad(carry, ((0, 0), (0, 0), (0, tokens - have), (0, 0)))
