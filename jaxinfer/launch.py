@@ -118,6 +118,7 @@ def summary(llm, out, random_weights: bool) -> dict:
         "decode_seconds": s.decode_seconds,
         "decode_tokens_per_second": s.decode_tokens / s.decode_seconds if s.decode_seconds else 0.0,
         "compile_seconds": s.compile_seconds,
+        "pipeline_utilisation": s.utilisation,   # busy stage-steps / stage-steps (one request: 1 / pp)
         "expert_load": llm.engine.expert_load.report(),   # MoE models: tokens per expert and max/mean, per layer
     }
 
@@ -136,6 +137,8 @@ def readable(r: dict) -> str:
         f"prefill {r['prefill_seconds']:.3f} s ({r['prefill_tokens_per_second']:.1f} tokens/s)",
         f"decode  {r['decode_seconds']:.3f} s ({r['decode_tokens_per_second']:.1f} tokens/s)",
         f"compile {r['compile_seconds']:.1f} s (not counted above)",
+        *([f"stages  utilisation {r['pipeline_utilisation']:.3f} (busy stage-steps / stage-steps)"]
+          if r["mesh"]["pp"] > 1 else []),
         *([f"experts imbalance (max/mean tokens per expert) by MoE layer: "
            f"{', '.join(f'{x:.2f}' for x in r['expert_load']['total']['imbalance'])}"] if r["expert_load"] else []),
     ])

@@ -102,7 +102,7 @@ def pack_stages(stages: list[Microbatch], page_size: int, pool_pages: int, repli
     """The in-flight microbatches (stages[s] at stage s) packed to one shared bucket shape."""
     empty = [SchedulerOutput([])] * replicas
     outputs = [mb or empty for mb in stages]
-    shape = tuple(map(max, *(bucket_shape(o) for o in outputs))) if len(outputs) > 1 else bucket_shape(outputs[0])
+    shape = tuple(map(max, *(bucket_shape(o) for o in outputs)))
     batches = [pack(o, page_size, pool_pages, shape) for o in outputs]
     meta = jax.tree.map(lambda *m: np.stack(m), *(b.meta for b in batches))
     last = batches[-1]

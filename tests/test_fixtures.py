@@ -13,13 +13,13 @@ TOL = 1e-4
 # model on one device and at least two layouts: llama on all of them, the others where they differ (rope
 # scaling and a bf16 tied checkpoint, biases, q/k norm, routing). Pipelines: llama's 4 layers split evenly
 # over pp=2 and pp=4; the 3-layer models unevenly over pp=2 (2 + 1: one padding slot).
-DENSE = {"llama": ["", "tp=2", "tp=4", "dp=2,tp=2", "dp=8", "tp=8",   # tp=8 > KV heads: replicated
+DENSE = {"llama": ["", "tp=2", "dp=2,tp=2", "dp=8", "tp=8",   # tp=8 > KV heads: replicated
                    "pp=4", "dp=2,pp=2,tp=2"],
          "llama3_scaled": ["", "tp=4", "dp=2,tp=2", "pp=2,tp=2"],
-         "qwen2": ["", "tp=2", "tp=8", "pp=2"],
+         "qwen2": ["", "tp=8", "pp=2"],
          "qwen3": ["", "dp=8", "tp=8", "dp=2,pp=2"]}
-MOE = {"mixtral": ["", "ep=2", "ep=8", "dp=2,ep=4", "pp=2,ep=2"],
-       "qwen3_moe": ["", "ep=4", "ep=2,tp=2", "ep=4,tp=2", "pp=2,ep=2"]}
+MOE = {"mixtral": ["", "ep=8", "dp=2,ep=4", "pp=2,ep=2"],
+       "qwen3_moe": ["", "ep=2,tp=2", "ep=4,tp=2", "pp=2,ep=2"]}
 CASES = [(name, mesh) for table in (DENSE, MOE) for name, meshes in table.items() for mesh in meshes]
 
 

@@ -117,6 +117,18 @@ def test_readable_output_reports_the_json_figures(cache, tp2):
     assert len(lines) == 9                                     # a dense model: no expert-load line
 
 
+def test_pipeline_run_reports_its_hop_and_its_bubble(cache, tp2):
+    r = launch(cache, "--mesh", "pp=2,tp=2", "--max-tokens", "4", "--json")
+    assert r.returncode == 0, r.stderr
+    pp = json.loads(r.stdout)
+    assert pp["output_token_ids"] == tp2["output_token_ids"]
+    decode = pp["collectives"]["decode"]
+    # per stage: its half of the layers' all-reduces, the embedding's (stage 0), the sampled ids' (over pp)
+    assert decode["all-reduce"]["count"] == 2 * LAYERS // 2 + 2
+    assert decode["collective-permute"] == {"count": 1, "bytes": DEFAULT["hidden_size"] * 4}
+    assert pp["pipeline_utilisation"] == 0.5     # one request: one of the two stages busy at a time
+
+
 def test_unknown_axis_exits_2(cache):
     r = launch(cache, "--mesh", "xp=2", "--json")
     assert r.returncode == 2

@@ -68,9 +68,9 @@ def test_uneven_stages_and_mixed_stacks_match_one_device(tmp_path, config, mesh)
 def test_concurrent_requests_match_each_alone(llama_pp2, llama_one):
     prompts = mixed_prompts(16)
     together = llama_pp2.generate(prompts, GREEDY)
-    alone = [llama_pp2.generate([p], GREEDY)[0] for p in prompts[:2]]
+    alone = llama_pp2.generate([prompts[0]], GREEDY)[0]
     reference = llama_one.generate(prompts, GREEDY)
-    assert [c.token_ids for c in together[:2]] == [c.token_ids for c in alone]
+    assert together[0].token_ids == alone.token_ids
     assert [c.token_ids for c in together] == [c.token_ids for c in reference]
     pool = llama_pp2.engine.schedulers[0].pool
     assert pool.available == pool.num_pages and not llama_pp2.engine.has_unfinished()
@@ -84,16 +84,16 @@ def test_concurrent_requests_at_pp2_tp2_match_one_device(hf_tiny, llama_one):
 
 
 def test_preemption_and_chunked_prefill_under_a_small_pool_lose_nothing(hf_tiny, llama_one):
-    """8 pages of 16 tokens for 8 requests of up to 48 tokens, 16 tokens a step: requests are preempted and
+    """6 pages of 16 tokens for 6 requests of up to 36 tokens, 16 tokens a step: requests are preempted and
     prompts are chunked, and every output is what one device gives."""
-    llm = LLM(hf_tiny / "llama", mesh="pp=2", dtype="float32", num_pages=8, max_tokens_per_step=16)
-    prompts = mixed_prompts(8, seed=2, longest=40)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(hf_tiny / "llama", mesh="pp=2", dtype="float32", num_pages=6, max_tokens_per_step=16)
+    prompts = mixed_prompts(6, seed=2, longest=30)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outs = llm.generate(prompts, params)
     assert llm.engine.stats.preemptions > 0
     assert [c.token_ids for c in outs] == [c.token_ids for c in llama_one.generate(prompts, params)]
     pool = llm.engine.schedulers[0].pool
-    assert pool.available == pool.num_pages == 8
+    assert pool.available == pool.num_pages == 6
 
 
 def test_abort_in_flight_streaming_and_prefix_hits(llama_pp2, llama_one):
