@@ -4,6 +4,9 @@ A step mixes decode tokens (q_len 1) and prefill chunks (q_len > 1) of many sequ
 query tokens [query_start[s], query_start[s + 1]) whose absolute positions end at seq_lens[s] - 1; its
 keys/values (this step's included) sit in pages `page_table[s]` of the pool `[L, KV, pages, P, D]`.
 Query head h reads kv head h // (H // KV). Tokens at or after query_start[num_seqs] are padding: output 0.
+With `return_lse=True` both also return the log-sum-exp of each row's scaled scores (float32 [N, H], -inf
+for padding): what merging partial attention over disjoint sets of pages needs (o = sum_i w_i o_i with
+w_i = exp(lse_i - logsumexp_i lse_i)).
 
 Two implementations with one contract:
 - `ragged_paged_attention_reference`: jax.numpy, the engine's CPU path. It walks the page index j once
@@ -42,8 +45,10 @@ def _token_map(seq_lens: jax.Array, query_start: jax.Array, num_seqs: jax.Array,
 
 def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
                                      page_table: jax.Array, seq_lens: jax.Array, query_start: jax.Array,
-                                     num_seqs: jax.Array, *, sm_scale: float) -> jax.Array:
-    """Online softmax over page index j for all tokens at once. q: [N, H, D] -> [N, H, D] in q.dtype.
+                                     num_seqs: jax.Array, *, sm_scale: float,
+                                     return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Online softmax over page index j for all tokens at once. q: [N, H, D] -> [N, H, D] in q.dtype
+    (and the log-sum-exp [N, H] float32 with return_lse).
 
     Each iteration gathers page j of every token's sequence ([N, KV, P, D]); the loop stops at the last
     page any real token needs, so short steps do not pay for `max_pages`.
@@ -74,9 +79,13 @@ def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
     n_iter = jnp.max(jnp.where(valid, pos // page + 1, 0), initial=0)
     init = (jnp.full(qg.shape[:3], -jnp.inf, jnp.float32), jnp.zeros(qg.shape[:3], jnp.float32),
             jnp.zeros(qg.shape, jnp.float32))
-    _, denom, acc = lax.fori_loop(0, n_iter, body, init)
+    m, denom, acc = lax.fori_loop(0, n_iter, body, init)
     out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
-    return jnp.where(valid[:, None, None, None], out, 0).reshape(n, h, d).astype(q.dtype)
+    out = jnp.where(valid[:, None, None, None], out, 0).reshape(n, h, d).astype(q.dtype)
+    if not return_lse:
+        return out
+    lse = jnp.where(valid[:, None, None] & (denom > 0), m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+    return out, lse.reshape(n, h)
 
 
 def _pick_block_q(group: int) -> int:
@@ -102,9 +111,10 @@ def _block_map(seq_lens: jax.Array, query_start: jax.Array, num_seqs: jax.Array,
                       seq_lens[seq] - q_len[seq] + first], axis=1).astype(jnp.int32)
 
 
-def _kernel(blocks_ref, layer_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, *, block_q: int, group: int,
-            page: int, scale: float):
-    """One (query block, kv head) program: block_q tokens x G heads as rows, online softmax over pages."""
+def _kernel(blocks_ref, layer_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref=None, *, block_q: int,
+            group: int, page: int, scale: float):
+    """One (query block, kv head) program: block_q tokens x G heads as rows, online softmax over pages
+    (scores in log2 units: `scale` includes log2(e)); the log-sum-exp, in natural log, where asked."""
     b, h = pl.program_id(0), pl.program_id(1)
     seq = blocks_ref[b, 0]
 
@@ -114,7 +124,8 @@ def _kernel(blocks_ref, layer_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, *
         d = q_ref.shape[-1]
         rows = block_q * group
         window = (pl.ds(t0, block_q), pl.ds(h * group, group), slice(None))
-        io_mask = jnp.broadcast_to(((t0 + jnp.arange(block_q)) < t_end)[:, None, None], (block_q, group, d))
+        real = (t0 + jnp.arange(block_q)) < t_end
+        io_mask = jnp.broadcast_to(real[:, None, None], (block_q, group, d))
         q = plgpu.load(q_ref.at[window], mask=io_mask, other=0).reshape(rows, d)
         row_pos = pos0 + jnp.arange(rows) // group
         n_pages = (pos0 + jnp.minimum(t_end - t0, block_q) - 1) // page + 1   # up to the last real token
@@ -135,9 +146,12 @@ def _kernel(blocks_ref, layer_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, *
 
         init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
                 jnp.zeros((rows,), jnp.float32))
-        acc, _, denom = lax.fori_loop(0, n_pages, body, init)
+        acc, m, denom = lax.fori_loop(0, n_pages, body, init)
         out = (acc / denom[:, None]).astype(o_ref.dtype).reshape(block_q, group, d)
         plgpu.store(o_ref.at[window], out, mask=io_mask)
+        if lse_ref is not None:
+            lse = ((m + jnp.log2(denom)) / _LOG2E).reshape(block_q, group)
+            plgpu.store(lse_ref.at[window[:2]], lse, mask=jnp.broadcast_to(real[:, None], (block_q, group)))
 
 
 def _is_pow2(x: int) -> bool:
@@ -160,7 +174,8 @@ def _check_shapes(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> None:
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
                            page_table: jax.Array, seq_lens: jax.Array, query_start: jax.Array,
                            num_seqs: jax.Array, *, sm_scale: float, block_q: int | None = None,
-                           interpret: bool = False) -> jax.Array:
+                           interpret: bool = False,
+                           return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Pallas (Triton) ragged paged attention; same contract as `ragged_paged_attention_reference`.
 
     block_q: tokens per query block (power of two); None picks 16 // G so decode wastes little.
@@ -181,14 +196,19 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     kernel = pl.pallas_call(
         lambda *refs: _kernel(*refs, block_q=block_q, group=gp, page=page, scale=sm_scale * _LOG2E),
         grid=(num_blocks, kv),  # block index fastest: neighbouring programs share a kv head's pages in L2
-        out_shape=jax.ShapeDtypeStruct((n, kv * gp, d), q.dtype),
+        out_shape=(jax.ShapeDtypeStruct((n, kv * gp, d), q.dtype),
+                   *([jax.ShapeDtypeStruct((n, kv * gp), jnp.float32)] if return_lse else [])),
         # 4 warps hold a <= 64x128 f32 accumulator comfortably, larger tiles get 8; two stages prefetch
         # the next page's K/V (page table lookup included) while this page is computed.
         compiler_params=plgpu.CompilerParams(num_warps=4 if block_q * gp * d <= 64 * 128 else 8, num_stages=2),
         interpret=interpret,
         name="ragged_paged_attention",
     )
-    out = kernel(blocks, layer, page_table.astype(jnp.int32), q, k_pages, v_pages)
+    out, *lse = kernel(blocks, layer, page_table.astype(jnp.int32), q, k_pages, v_pages)
     out = out.reshape(n, kv, gp, d)[:, :, :group].reshape(n, h, d)
     valid = jnp.arange(n) < query_start[num_seqs]  # padding tokens belong to no block: their rows are unset
-    return jnp.where(valid[:, None, None], out, 0)
+    out = jnp.where(valid[:, None, None], out, 0)
+    if not return_lse:
+        return out
+    lse = lse[0].reshape(n, kv, gp)[:, :, :group].reshape(n, h)
+    return out, jnp.where(valid[:, None], lse, -jnp.inf)

@@ -60,8 +60,9 @@ def make_inputs(c: Case, seed: int = 0) -> dict:
                 num_seqs=jnp.int32(len(c.seqs)))
 
 
-def dense_attention(inp: dict, sm_scale: float) -> np.ndarray:
-    """Per sequence: gather its pages into contiguous K/V, plain causal softmax at its offset (float64)."""
+def dense_attention(inp: dict, sm_scale: float, with_lse: bool = False):
+    """Per sequence: gather its pages into contiguous K/V, plain causal softmax at its offset (float64);
+    with_lse: also each row's log-sum-exp of its scaled scores [N, H] (-inf for padding)."""
     f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # noqa: E731
     q, k_pages, v_pages = f64(inp["q"]), f64(inp["k_pages"]), f64(inp["v_pages"])
     k_layer, v_layer = k_pages[int(inp["layer"])], v_pages[int(inp["layer"])]
@@ -69,6 +70,7 @@ def dense_attention(inp: dict, sm_scale: float) -> np.ndarray:
     group = q.shape[1] // kv
     qs, seq_lens, table = np.asarray(inp["query_start"]), np.asarray(inp["seq_lens"]), np.asarray(inp["page_table"])
     out = np.zeros_like(q)
+    lse = np.full(q.shape[:2], -np.inf)
     for s in range(int(inp["num_seqs"])):
         lo, hi, seq_len = qs[s], qs[s + 1], seq_lens[s]
         pages = table[s, :-(-seq_len // page)]
@@ -78,20 +80,24 @@ def dense_attention(inp: dict, sm_scale: float) -> np.ndarray:
         scores = np.einsum("thd,hsd->hts", q[lo:hi], k) * sm_scale
         q_pos = seq_len - (hi - lo) + np.arange(hi - lo)
         scores = np.where(np.arange(seq_len)[None, None, :] <= q_pos[None, :, None], scores, -np.inf)
-        w = np.exp(scores - scores.max(-1, keepdims=True))
+        top = scores.max(-1, keepdims=True)
+        w = np.exp(scores - top)
         out[lo:hi] = np.einsum("hts,hsd->thd", w / w.sum(-1, keepdims=True), v)
-    return out
+        lse[lo:hi] = (top[..., 0] + np.log(w.sum(-1))).T
+    return (out, lse) if with_lse else out
 
 
 ARGS = ("q", "k_pages", "v_pages", "layer", "page_table", "seq_lens", "query_start", "num_seqs")
 
 
-def run_reference(inp: dict, sm_scale: float) -> jax.Array:
-    return jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=sm_scale))(*(inp[a] for a in ARGS))
+def run_reference(inp: dict, sm_scale: float, return_lse: bool = False):
+    f = functools.partial(ragged_paged_attention_reference, sm_scale=sm_scale, return_lse=return_lse)
+    return jax.jit(f)(*(inp[a] for a in ARGS))
 
 
-def run_kernel(inp: dict, sm_scale: float, block_q: int | None) -> jax.Array:
-    f = functools.partial(ragged_paged_attention, sm_scale=sm_scale, block_q=block_q, interpret=True)
+def run_kernel(inp: dict, sm_scale: float, block_q: int | None, return_lse: bool = False):
+    f = functools.partial(ragged_paged_attention, sm_scale=sm_scale, block_q=block_q, interpret=True,
+                          return_lse=return_lse)
     return jax.jit(f)(*(inp[a] for a in ARGS))
 
 
@@ -136,6 +142,24 @@ def test_reference_and_kernel(name: str):
     assert not np.any(np.asarray(out[real:], np.float32))
 
 
+@pytest.mark.parametrize("name", ["gqa4_mixed", "gqa3", "gqa8_bf16"])
+def test_log_sum_exp(name: str):
+    """return_lse: the same output, and each row's log-sum-exp (what merging partial attention needs)."""
+    c = CASES[name]
+    inp = make_inputs(c, seed=1)
+    scale = c.head_dim ** -0.5
+    tol = dict(atol=1e-5, rtol=1e-5) if c.dtype == "float32" else dict(atol=3e-2, rtol=3e-2)
+    dense, dense_lse = dense_attention(inp, scale, with_lse=True)
+    real = int(inp["query_start"][int(inp["num_seqs"])])
+    for out, lse in (run_reference(inp, scale, return_lse=True), run_kernel(inp, scale, c.block_q, return_lse=True)):
+        assert lse.shape == inp["q"].shape[:2] and lse.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(out, np.float64), dense, **tol)
+        np.testing.assert_allclose(np.asarray(lse[:real], np.float64), dense_lse[:real], **tol)
+        assert np.all(np.isneginf(np.asarray(lse[real:])))
+    np.testing.assert_array_equal(np.asarray(run_reference(inp, scale, return_lse=True)[0]),
+                                  np.asarray(run_reference(inp, scale)))
+
+
 def test_only_padding_gives_zeros():
     inp = make_inputs(Case([(4, 20)], heads=4, kv_heads=1, head_dim=16, tokens=16, slots=2, num_pages=4))
     inp["num_seqs"] = jnp.int32(0)
@@ -169,6 +193,11 @@ def test_lowers_for_cuda(dtype, heads: int, block_q: int | None):
     text = lower_for_cuda(functools.partial(ragged_paged_attention, sm_scale=0.088, block_q=block_q),
                           *realistic(dtype, heads=heads))
     assert "__gpu$xla.gpu.triton" in text
+
+
+def test_lowers_for_cuda_with_log_sum_exp():
+    f = functools.partial(ragged_paged_attention, sm_scale=0.088, return_lse=True)
+    assert "__gpu$xla.gpu.triton" in lower_for_cuda(f, *realistic(jnp.bfloat16))
 
 
 def test_lowers_for_cuda_in_layer_scan():
