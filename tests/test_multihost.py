@@ -1,4 +1,5 @@
-"""A two-process job (launch/local.sh) gives the tokens a single process gives, on the same mesh."""
+"""A two-process job (launch/local.sh) gives the tokens a single process gives, on the same mesh: one dp
+replica per process, or one pipeline stage per process (the activations cross processes)."""
 
 import json
 import os
@@ -6,14 +7,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from jaxinfer import LLM, SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_two_processes_equal_one(tmp_path, hf_tiny):
+@pytest.mark.parametrize("mesh", ["dp=2,tp=2", "pp=2,tp=2"])
+def test_two_processes_equal_one(tmp_path, hf_tiny, mesh):
     llama = hf_tiny / "llama"
-    flags = ["--mesh", "dp=2,tp=2", "--model", str(llama), "--prompt", "Distributed inference", "--max-tokens", "6",
+    flags = ["--mesh", mesh, "--model", str(llama), "--prompt", "Distributed inference", "--max-tokens", "6",
              "--dtype", "float32", "--json"]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(PYTHON=sys.executable, JAX_PLATFORMS="cpu", JAXINFER_LOG_DIR=str(tmp_path))
@@ -21,9 +25,10 @@ def test_two_processes_equal_one(tmp_path, hf_tiny):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
-    assert result["devices"] == 4 and result["mesh"]["dp"] == 2 and result["mesh"]["tp"] == 2
+    sizes = dict(axis.split("=") for axis in mesh.split(","))
+    assert result["devices"] == 4 and all(result["mesh"][a] == int(n) for a, n in sizes.items())
 
-    llm = LLM(llama, mesh="dp=2,tp=2", dtype="float32")
+    llm = LLM(llama, mesh=mesh, dtype="float32")
     alone = llm.generate(["Distributed inference"], SamplingParams(max_tokens=6, temperature=0, seed=0))[0]
     assert result["output_token_ids"] == alone.token_ids
     assert result["output_text"] == alone.text
