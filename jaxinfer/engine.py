@@ -28,7 +28,7 @@ from jaxinfer.kv_cache import PagedKVCache, page_bytes, pool_pages
 from jaxinfer.layers import Weights
 from jaxinfer.models import Model
 from jaxinfer.page_pool import PagePool
-from jaxinfer.pipeline import Microbatch, PipelineRunner, pack_stages
+from jaxinfer.pipeline import Microbatch, PipelineRunner, has_work, pack_stages
 from jaxinfer.runner import ModelRunner
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.scheduler import Request, ScheduledSequence, Scheduler, SchedulerOutput
@@ -140,7 +140,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or any(mb and any(mb) for mb in self.in_flight)
+        return bool(self.requests) or any(map(has_work, self.in_flight))
 
     def reset_prefix_cache(self) -> None:
         """Empty every replica's prefix cache (e.g. between benchmark passes)."""
@@ -152,7 +152,7 @@ class Engine:
         """Schedule, run one device step, hand out the sampled tokens; returns the requests that finished."""
         outputs = [s.schedule() for s in self.schedulers]
         stages = [outputs, *self.in_flight]                     # stages[s]: the microbatch stage s runs now
-        busy = [mb is not None and any(mb) for mb in stages]
+        busy = [has_work(mb) for mb in stages]
         if not any(busy):
             if self.requests:
                 raise EngineStalled(self._stall_report())
@@ -162,7 +162,7 @@ class Engine:
         if self.stages == 1:
             batch = pack(outputs, self.config.page_size, self.pages_per_replica)
         else:
-            batch = pack_stages(stages, self.config.page_size, self.pages_per_replica, len(self.schedulers))
+            batch = pack_stages(stages, self.config.page_size, self.pages_per_replica)
         sampled, counts = self.runner.step(batch, "prefill" if prefill else "decode")
         if counts is not None:
             self.expert_load.record(counts.sum(axis=1))

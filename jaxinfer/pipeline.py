@@ -98,15 +98,20 @@ class PipelineBatch:
 Microbatch = list[SchedulerOutput] | None  # one output per replica; None where nothing was ever scheduled
 
 
-def pack_stages(stages: list[Microbatch], page_size: int, pool_pages: int, replicas: int) -> PipelineBatch:
-    """The in-flight microbatches (stages[s] at stage s) packed to one shared bucket shape."""
-    empty = [SchedulerOutput([])] * replicas
+def has_work(mb: Microbatch) -> bool:
+    return mb is not None and any(mb)
+
+
+def pack_stages(stages: list[Microbatch], page_size: int, pool_pages: int) -> PipelineBatch:
+    """The in-flight microbatches (stages[s] at stage s; stages[0], just scheduled, is never None) packed
+    to one shared bucket shape."""
+    empty = [SchedulerOutput([])] * len(stages[0])
     outputs = [mb or empty for mb in stages]
     shape = tuple(map(max, *(bucket_shape(o) for o in outputs)))
     batches = [pack(o, page_size, pool_pages, shape) for o in outputs]
     meta = jax.tree.map(lambda *m: np.stack(m), *(b.meta for b in batches))
     last = batches[-1]
-    active = np.array([any(o) for o in outputs])
+    active = np.array([has_work(mb) for mb in stages])
     return PipelineBatch(batches[0].tokens, meta, active, last.logits_index, last.sample_positions, last.sampling)
 
 
@@ -223,7 +228,7 @@ class PipelineRunner(ModelRunner):
         def stage(layers, embed, head, cache, tokens, meta):
             s = jax.lax.axis_index("pp")
             ctx = StepContext(self.stage_layout, meta, self.backend, stage=s)
-            x = self._embed(embed, tokens, ctx)
+            x = self._when(s == 0, lambda: self._embed(embed, tokens, ctx), ACTIVATIONS, ctx)
             for i in range(P):
                 x, cache, _ = self._layers(layers, x, cache, ctx, s == i)
                 if i < P - 1:

@@ -57,6 +57,11 @@ class Request:
         return self.prompt + self.output
 
     @property
+    def in_flight(self) -> bool:
+        """Tokens of it are on the device, not yet back."""
+        return self.scheduled > self.computed
+
+    @property
     def pending(self) -> int:
         """Known tokens not yet sent to the device."""
         return len(self.prompt) + len(self.output) - self.scheduled
@@ -142,7 +147,7 @@ class Scheduler:
                 continue
             n = min(r.pending, budget)
             while not self._grow(r, n):
-                victim = next((q for q in reversed(self.running) if q.scheduled == q.computed), None)
+                victim = next((q for q in reversed(self.running) if not q.in_flight), None)
                 short = True
                 if victim is None:       # every other request is in flight: wait for pages to come back
                     break
