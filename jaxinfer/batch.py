@@ -6,6 +6,11 @@ replica, padded to shared bucket shapes so that a steady workload compiles nothi
 - sequences per replica: a power of two;
 - pages per sequence in the page table: a power of two.
 Padding tokens write their K/V to a sentinel slot (one past the pool) that the cache write drops.
+
+Under sequence parallel (sp ranks) the token axis is split over the ranks in the load-balanced causal
+order of ring attention (jaxinfer.attention.ring): the row is cut into 2 x sp chunks and rank r holds chunks
+r and 2sp-1-r, so every rank has as much causal work as any other. `pack` lays each row out in that
+order (`ring_order`), and per-token arrays follow it; per-sequence arrays keep the natural order.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ class StepMetadata:
     seq_lens: jax.Array     # int32 [R, S] KV length of each sequence after this step
     query_start: jax.Array  # int32 [R, S + 1] sequence s owns tokens [query_start[s], query_start[s + 1])
     num_seqs: jax.Array     # int32 [R]
+    token_seq: jax.Array    # int32 [R, N] the sequence of each token, -1 for padding
+    ring: bool = struct.field(pytree_node=False, default=False)  # sp prefill: fresh K/V travel the ring
 
 
 @struct.dataclass
@@ -47,23 +54,34 @@ def bucket(n: int, minimum: int = 1, multiple: int = 1) -> int:
     return -(-size // multiple) * multiple
 
 
-def bucket_shape(outputs: list[SchedulerOutput]) -> tuple[int, int, int]:
-    """(tokens, sequences, pages per sequence) per replica, each rounded up to its bucket."""
-    return (bucket(max(o.num_tokens for o in outputs)), bucket(max(len(o.sequences) for o in outputs)),
-            bucket(max((len(s.pages) for o in outputs for s in o.sequences), default=1)))
+def bucket_shape(outputs: list[SchedulerOutput], sp: int = 1) -> tuple[int, int, int]:
+    """(tokens, sequences, pages per sequence) per replica, each rounded up to its bucket; under sp the
+    tokens to a multiple of the ring's 2 x sp chunks and the pages to a multiple of sp."""
+    return (bucket(max(o.num_tokens for o in outputs), multiple=2 * sp if sp > 1 else 1),
+            bucket(max(len(o.sequences) for o in outputs)),
+            bucket(max((len(s.pages) for o in outputs for s in o.sequences), default=1), multiple=sp))
+
+
+def ring_order(n: int, sp: int) -> np.ndarray:
+    """Token indices of a row of n laid out for sp ranks: rank r's block is chunks r and 2sp-1-r of 2sp."""
+    if sp == 1:
+        return np.arange(n)
+    chunks = np.arange(n).reshape(2 * sp, n // (2 * sp))
+    return np.concatenate([np.concatenate([chunks[r], chunks[2 * sp - 1 - r]]) for r in range(sp)])
 
 
 def pack(outputs: list[SchedulerOutput], page_size: int, pool_pages: int,
-         shape: tuple[int, int, int] | None = None) -> StepBatch:
+         shape: tuple[int, int, int] | None = None, sp: int = 1) -> StepBatch:
     """One row per replica (outputs[i] is replica i's work), padded to shared bucket shapes (`shape`, at
-    least bucket_shape(outputs), when several batches must share one)."""
+    least bucket_shape(outputs, sp), when several batches must share one), tokens in ring order under sp."""
     P, R = page_size, len(outputs)
-    N, S, max_pages = shape or bucket_shape(outputs)
+    N, S, max_pages = shape or bucket_shape(outputs, sp)
     tokens, positions = np.zeros((R, N), np.int32), np.zeros((R, N), np.int32)
     slots = np.full((R, N), pool_pages * P, np.int32)
     page_table = np.zeros((R, S, max_pages), np.int32)
     seq_lens, logits_index = np.zeros((R, S), np.int32), np.zeros((R, S), np.int32)
     query_start, num_seqs = np.zeros((R, S + 1), np.int32), np.zeros(R, np.int32)
+    token_seq = np.full((R, N), -1, np.int32)
     params, seeds = [GREEDY] * (R * S), [0] * (R * S)
     for i, out in enumerate(outputs):
         t = 0
@@ -73,6 +91,7 @@ def pack(outputs: list[SchedulerOutput], page_size: int, pool_pages: int,
             tokens[i, t: t + n] = seq.token_ids
             positions[i, t: t + n] = pos
             slots[i, t: t + n] = np.asarray(seq.pages)[pos // P] * P + pos % P
+            token_seq[i, t: t + n] = s
             page_table[i, s, : len(seq.pages)] = seq.pages
             seq_lens[i, s] = seq.end
             logits_index[i, s] = t + n - 1
@@ -81,5 +100,9 @@ def pack(outputs: list[SchedulerOutput], page_size: int, pool_pages: int,
             t += n
         query_start[i, len(out.sequences) + 1:] = t
         num_seqs[i] = len(out.sequences)
-    meta = StepMetadata(positions, slots, page_table, seq_lens, query_start, num_seqs)
+    order = ring_order(N, sp)
+    tokens, positions, slots, token_seq = (a[:, order] for a in (tokens, positions, slots, token_seq))
+    logits_index = np.argsort(order).astype(np.int32)[logits_index]
+    ring = sp > 1 and any(o.prefill for o in outputs)
+    meta = StepMetadata(positions, slots, page_table, seq_lens, query_start, num_seqs, token_seq, ring)
     return StepBatch(tokens, logits_index, seq_lens.reshape(-1), SamplingArrays.from_params(params, R * S, seeds), meta)

@@ -185,7 +185,7 @@ class EngineConfig:
     """The serving knobs (vLLM's engine arguments), checked at construction."""
 
     page_size: int = 16                     # tokens per KV page
-    num_pages: int | None = None            # KV pages per dp replica; None: from memory_fraction (GPU) or a budget
+    num_pages: int | None = None            # KV pages per device (a replica holds sp x); None: from memory
     memory_fraction: float = 0.9            # of device memory for weights + KV pages (gpu_memory_utilization)
     max_num_seqs: int = 32                  # sequences per replica per step
     max_tokens_per_step: int = 256          # token budget per replica per step (rounded up to a power of two)
@@ -216,8 +216,9 @@ class EngineConfig:
         d = EngineConfig()
         g = p.add_argument_group("engine")
         g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
-        g.add_argument("--num-pages", type=int, default=d.num_pages, help="KV pages per dp replica "
-                       "(default: memory_fraction of device memory after the weights; on CPU a 2 GiB budget)")
+        g.add_argument("--num-pages", type=int, default=d.num_pages,
+                       help="KV pages per device, a dp replica holding sp times as many (default: "
+                            "memory_fraction of device memory after the weights; on CPU a 2 GiB budget)")
         g.add_argument("--memory-fraction", type=float, default=d.memory_fraction,
                        help="fraction of device memory for weights + KV pages (like vLLM's gpu_memory_utilization)")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per replica per step")

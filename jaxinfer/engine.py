@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from jaxinfer.attention import choose_backend
-from jaxinfer.batch import GREEDY, bucket, pack
+from jaxinfer.batch import GREEDY, bucket, pack, ring_order
 from jaxinfer.config import EngineConfig
 from jaxinfer.distributed import shared_seed
 from jaxinfer.kv_cache import PagedKVCache, page_bytes, pool_pages
@@ -32,7 +32,7 @@ from jaxinfer.pipeline import Microbatch, PipelineRunner, has_work, pack_stages
 from jaxinfer.runner import ModelRunner
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.scheduler import Request, ScheduledSequence, Scheduler, SchedulerOutput
-from jaxinfer.sharding import Layout, device_bytes, kv_head_repeat
+from jaxinfer.sharding import Layout, device_bytes, kv_head_repeat, validate_sp
 from jaxinfer.stats import EngineStats, ExpertLoad
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -62,19 +62,21 @@ class Engine:
         self.cfg, self.layout, self.dtype, self.tokenizer = model.cfg, layout, dtype, tokenizer
         cfg = self.cfg
         device = next(d for d in layout.mesh.devices.flat if d.process_index == jax.process_index())  # one of ours
-        backend = choose_backend(config.attention_backend, device.platform, cfg.head_dim, config.page_size)
+        self.sp = layout.axis_size("seq")                                 # sp: ranks a sequence is split over
+        validate_sp(self.sp, cfg.context_length, config.page_size)
+        backend = choose_backend(config.attention_backend, device.platform, cfg.head_dim, config.page_size, self.sp)
         tp = layout.axis_size("kv_heads")
         self.kv_heads = cfg.num_kv_heads * kv_head_repeat(cfg, tp)      # after replication for tp
         self.stages = layout.axis_size("layers")                          # pp: pipeline stages
         per_page = page_bytes(weights.stage_layers, self.kv_heads // tp, config.page_size, cfg.head_dim, dtype)
-        self.pages_per_replica = pool_pages(config, device, device_bytes(weights, device), per_page,
-                                            cfg.context_length)
+        self.pages_per_replica = self.sp * pool_pages(config, device, device_bytes(weights, device), per_page,
+                                                      cfg.context_length)
         replicas = layout.axis_size("batch")                              # dp x ep replicas
         cache = PagedKVCache.zeros(self.stages * weights.stage_layers, self.kv_heads,
                                    replicas * self.pages_per_replica, config.page_size, cfg.head_dim, dtype, layout)
         self.runner = (PipelineRunner if self.stages > 1 else ModelRunner)(model, layout, weights, cache, backend)
         self.max_tokens = bucket(config.max_tokens_per_step, 16)
-        self.schedulers = [Scheduler(PagePool(self.pages_per_replica, config.page_size, config.prefix_caching),
+        self.schedulers = [Scheduler(PagePool(self.pages_per_replica, config.page_size, config.prefix_caching, self.sp),
                                      config.max_num_seqs, self.max_tokens, self.stages) for _ in range(replicas)]
         # the microbatches at stages 1 .. pp - 1, newest first (None: nothing was scheduled there yet)
         self.in_flight: collections.deque[Microbatch] = collections.deque([None] * (self.stages - 1))
@@ -86,7 +88,7 @@ class Engine:
 
     @property
     def capacity(self) -> int:
-        """Tokens one replica's page pool holds."""
+        """Tokens one replica's page pool holds (over all its sp ranks)."""
         return self.pages_per_replica * self.config.page_size
 
     @property
@@ -160,9 +162,9 @@ class Engine:
         prefill = any(o.prefill for mb in stages if mb for o in mb)
         t0, compiled = time.perf_counter(), self.runner.compile_seconds
         if self.stages == 1:
-            batch = pack(outputs, self.config.page_size, self.pages_per_replica)
+            batch = pack(outputs, self.config.page_size, self.pages_per_replica, sp=self.sp)
         else:
-            batch = pack_stages(stages, self.config.page_size, self.pages_per_replica)
+            batch = pack_stages(stages, self.config.page_size, self.pages_per_replica, self.sp)
         sampled, counts = self.runner.step(batch, "prefill" if prefill else "decode")
         if counts is not None:
             self.expert_load.record(counts.sum(axis=1))
@@ -233,8 +235,9 @@ class Engine:
                     chunk = list(ids[start: start + self.max_tokens])
                     seq = ScheduledSequence("score", chunk, start, pages, GREEDY, 0, samples=False, prefill=True)
                     logits = self.runner.score(pack([SchedulerOutput([seq]), *idle], pool.page_size,
-                                                    self.pages_per_replica))
-                    chunks.append(logits[0, : len(chunk)])
+                                                    self.pages_per_replica, sp=self.sp))
+                    natural = np.argsort(ring_order(logits.shape[1], self.sp))   # rows back in token order
+                    chunks.append(logits[0, natural[: len(chunk)]])
             finally:
                 pool.release(pages)
             out.append(np.concatenate(chunks))

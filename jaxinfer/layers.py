@@ -106,9 +106,7 @@ class StepContext:
     @property
     def valid(self) -> jax.Array:
         """bool [R, N]: which token slots of the step are real (the rest is bucket padding)."""
-        m = self.meta
-        n = m.positions.shape[1]
-        return jnp.arange(n)[None] < jnp.take_along_axis(m.query_start, m.num_seqs[:, None], 1)
+        return self.meta.token_seq >= 0
 
     def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, layer: jax.Array,
                   inv_freq: jax.Array) -> tuple[jax.Array, PagedKVCache]:

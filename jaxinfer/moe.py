@@ -112,6 +112,7 @@ def moe(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_d
         raise ValueError(f"expert parallel needs the tokens sharded over {ep_axis!r} too (rules 'batch' -> "
                          f"(..., {ep_axis!r})); they are sharded over {batch_axes}")
     x_local = num_experts // ep
+    seq_axes = layout.mesh_axes("seq")
 
     def a2a(t: jax.Array) -> jax.Array:
         return lax.all_to_all(t, ep_axis, 0, 0, tiled=True) if ep > 1 else t
@@ -146,6 +147,8 @@ def moe(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_d
         back = lax.bitcast_convert_type(a2a(wire), x.dtype).at[dest, slot].get(mode="fill", fill_value=0)
         per_choice = jnp.zeros_like(back).at[order].set(back).reshape(r, n, top_k, embed)
         y = (weights[..., None] * per_choice).sum(2)
+        if seq_axes:  # the replica's tokens are split over sp: its counts are the ranks' sum
+            counts = lax.psum(counts, seq_axes)
         return (lax.psum(y, tp_axis) if tp > 1 else y), counts
 
     return layout.shard_map(local, in_axes=(TOKENS, TOKENS[:2], None, WEIGHTS_IN, WEIGHTS_IN, WEIGHTS_OUT),

@@ -7,6 +7,12 @@ a crafted prompt from colliding with another user's prefix and reading its cache
 every process. Requests that share a prompt prefix share its pages by reference count; a cached page nobody
 references stays cached until it is evicted, least recently used first, when free pages run out (vLLM's
 automatic prefix caching).
+
+Under sequence parallel (sp ranks) a replica's pool is the union of its ranks' slices: page id g lives on
+rank g // pages_per_rank, and page i of every sequence is taken from rank i mod sp, so a sequence's pages
+(and its attention work) are spread evenly over the ranks. Each rank has its own free list and its own
+least-recently-used order. A cached page keeps its place: the key of page i always names a page on rank
+i mod sp, since a key fixes the page's index in its sequence.
 """
 
 from __future__ import annotations
@@ -31,31 +37,53 @@ def page_hashes(tokens: list[int], page_size: int, parent: bytes | None = None) 
 
 
 class PagePool:
-    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = True):
-        self.num_pages, self.page_size, self.prefix_caching = num_pages, page_size, prefix_caching
-        self.free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = True, ranks: int = 1):
+        if num_pages % ranks:
+            raise ValueError(f"{num_pages} pages cannot be split evenly over {ranks} sp ranks")
+        self.num_pages, self.page_size, self.prefix_caching, self.ranks = num_pages, page_size, prefix_caching, ranks
+        self.per_rank = num_pages // ranks
+        # pop() hands out low ids first
+        self.free_by_rank: list[list[int]] = [list(range((k + 1) * self.per_rank - 1, k * self.per_rank - 1, -1))
+                                              for k in range(ranks)]
         self.refs = [0] * num_pages
         self.cached: dict[bytes, int] = {}               # key -> page
         self.hash_of: dict[int, bytes] = {}              # page -> key
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached pages with no reference, LRU first
+        # per rank: cached pages with no reference, least recently used first
+        self.evictable_by_rank: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(ranks)]
         self.hits = 0                                    # pages served from the prefix cache
         self.queries = 0                                 # full prompt pages looked up
 
     @property
+    def free(self) -> list[int]:
+        return [p for f in self.free_by_rank for p in f]
+
+    @property
+    def evictable(self) -> dict[int, None]:
+        return {p: None for e in self.evictable_by_rank for p in e}
+
+    @property
     def available(self) -> int:
         """Pages that an allocation can take now (free, or cached and unreferenced)."""
-        return len(self.free) + len(self.evictable)
+        return sum(map(len, self.free_by_rank)) + sum(map(len, self.evictable_by_rank))
 
-    def allocate(self, n: int) -> list[int] | None:
-        """n fresh pages, or None (and nothing taken) if there are not enough."""
-        if n > self.available:
+    def rank_of(self, page: int) -> int:
+        return page // self.per_rank
+
+    def allocate(self, n: int, first: int = 0) -> list[int] | None:
+        """Fresh pages for a sequence's pages first .. first + n - 1 (page i from rank i mod sp), or None (and
+        nothing taken) if some rank has too few."""
+        need = [0] * self.ranks
+        for i in range(first, first + n):
+            need[i % self.ranks] += 1
+        if any(c > len(f) + len(e) for c, f, e in zip(need, self.free_by_rank, self.evictable_by_rank, strict=True)):
             return None
         pages = []
-        for _ in range(n):
-            if self.free:
-                page = self.free.pop()
+        for i in range(first, first + n):
+            free, evictable = self.free_by_rank[i % self.ranks], self.evictable_by_rank[i % self.ranks]
+            if free:
+                page = free.pop()
             else:
-                page, _ = self.evictable.popitem(last=False)
+                page, _ = evictable.popitem(last=False)
                 del self.cached[self.hash_of.pop(page)]
             self.refs[page] = 1
             pages.append(page)
@@ -67,9 +95,9 @@ class PagePool:
             assert self.refs[page] >= 0, f"page {page} released more often than taken"
             if self.refs[page] == 0:
                 if page in self.hash_of:
-                    self.evictable[page] = None
+                    self.evictable_by_rank[self.rank_of(page)][page] = None
                 else:
-                    self.free.append(page)
+                    self.free_by_rank[self.rank_of(page)].append(page)
 
     def lookup(self, hashes: list[bytes]) -> list[int]:
         """The cached pages of the longest prefix of `hashes`, each now referenced by the caller."""
@@ -82,7 +110,7 @@ class PagePool:
             if page is None:
                 break
             if self.refs[page] == 0:
-                self.evictable.pop(page)
+                self.evictable_by_rank[self.rank_of(page)].pop(page)
             self.refs[page] += 1
             pages.append(page)
         self.hits += len(pages)
@@ -97,7 +125,8 @@ class PagePool:
     def reset_prefix_cache(self) -> None:
         """Forget every cached key (vLLM's reset_prefix_cache): unreferenced cached pages become free, pages
         in use stay with their owners and are no longer shared."""
-        self.free.extend(reversed(self.evictable))
-        self.evictable.clear()
+        for free, evictable in zip(self.free_by_rank, self.evictable_by_rank, strict=True):
+            free.extend(reversed(evictable))
+            evictable.clear()
         self.cached.clear()
         self.hash_of.clear()

@@ -30,7 +30,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec
 
-from jaxinfer.batch import StepBatch, StepMetadata, bucket_shape, pack
+from jaxinfer.batch import StepBatch, StepMetadata, bucket_shape, pack, ring_order
 from jaxinfer.checkpoint import ParamSpec
 from jaxinfer.kv_cache import POOL_AXES, PagedKVCache
 from jaxinfer.layers import ACTIVATIONS, LayerStack, StepContext, Weights, run_layers
@@ -102,13 +102,15 @@ def has_work(mb: Microbatch) -> bool:
     return mb is not None and any(mb)
 
 
-def pack_stages(stages: list[Microbatch], page_size: int, pool_pages: int) -> PipelineBatch:
+def pack_stages(stages: list[Microbatch], page_size: int, pool_pages: int, sp: int = 1) -> PipelineBatch:
     """The in-flight microbatches (stages[s] at stage s; stages[0], just scheduled, is never None) packed
-    to one shared bucket shape."""
+    to one shared bucket shape (and, under sp, one kind of attention: the ring if any stage prefills)."""
     empty = [SchedulerOutput([])] * len(stages[0])
     outputs = [mb or empty for mb in stages]
-    shape = tuple(map(max, *(bucket_shape(o) for o in outputs)))
-    batches = [pack(o, page_size, pool_pages, shape) for o in outputs]
+    shape = tuple(map(max, *(bucket_shape(o, sp) for o in outputs)))
+    ring = sp > 1 and any(o.prefill for mb in outputs for o in mb)
+    batches = [b.replace(meta=b.meta.replace(ring=ring)) for b in (pack(o, page_size, pool_pages, shape, sp)
+                                                                   for o in outputs)]
     meta = jax.tree.map(lambda *m: np.stack(m), *(b.meta for b in batches))
     last = batches[-1]
     active = np.array([has_work(mb) for mb in stages])
@@ -142,11 +144,11 @@ class PipelineRunner(ModelRunner):
         self._moe_stacks = tuple(s for s in weights.layers if _holds_only(s, model.cfg.moe_layers))
         replicas = layout.axis_size("batch")
         dtype = jax.tree.leaves(weights.embed)[0].dtype
-        make = jax.jit(lambda: jnp.zeros((self.stages, replicas, 1, model.cfg.hidden_size), dtype),
+        self.sp = layout.axis_size("seq")
+        make = jax.jit(lambda: jnp.zeros((self.stages, replicas, 2 * self.sp, model.cfg.hidden_size), dtype),
                        out_shardings=layout.sharding(CARRY_AXES))
         self.state = PipelineState(cache, make())
-        self._resize = jax.jit(_resize, static_argnums=1,
-                               out_shardings=layout.sharding(CARRY_AXES))
+        self._resize = jax.jit(_resize, static_argnums=(1, 2), out_shardings=layout.sharding(CARRY_AXES))
 
     @property
     def cache(self) -> PagedKVCache:
@@ -158,7 +160,7 @@ class PipelineRunner(ModelRunner):
     def run(self, kind: str, batch: Any, phase: str | None = None) -> Any:
         tokens = batch.tokens.shape[1]
         if kind == "step" and self.state.carry.shape[2] != tokens:
-            self.state = self.state.replace(carry=self._resize(self.state.carry, tokens))
+            self.state = self.state.replace(carry=self._resize(self.state.carry, tokens, self.sp))
         return super().run(kind, batch, phase)
 
     def step(self, batch: PipelineBatch, phase: str) -> tuple[np.ndarray, np.ndarray | None]:
@@ -169,7 +171,14 @@ class PipelineRunner(ModelRunner):
     # ---- traced ---------------------------------------------------------------------------------
     def _layers(self, layers: tuple[LayerStack, ...], x: jax.Array, cache: PagedKVCache, ctx: StepContext,
                 active: jax.Array):
-        """The stage's layers, or nothing at all where its microbatch is empty."""
+        """The stage's layers, or nothing at all where its microbatch is empty. Under sp the layers hold the
+        ring's collective-permutes, which every device of the program must join, so there an idle stage runs
+        them on its input, writes no K/V (every slot masked) and passes its input on unchanged."""
+        if self.sp > 1:
+            ctx = dataclasses.replace(ctx, meta=ctx.meta.replace(slots=jnp.where(active, ctx.meta.slots, -1)))
+            y, cache, counts = run_layers(self.model.layer, layers, x, cache, ctx)
+            return jnp.where(active, y, x), cache, None if counts is None else counts * active
+
         def pinned(x, cache, counts):  # both branches of a cond must agree on their results' shardings
             cache = jax.tree.map(lambda c: ctx.constrain(c, POOL_AXES), cache)
             return ctx.constrain(x, ACTIVATIONS), cache, None if counts is None else ctx.constrain(counts, COUNT_AXES)
@@ -187,6 +196,8 @@ class PipelineRunner(ModelRunner):
     @staticmethod
     def _when(pred: jax.Array, fn, axes, ctx: StepContext) -> jax.Array:
         """fn() where pred holds, zeros elsewhere (with one sharding either way)."""
+        if ctx.layout.axis_size("seq") > 1:  # no collective inside a branch some devices skip (see _layers)
+            return ctx.constrain(jnp.where(pred, fn(), 0), axes)
         out = jax.eval_shape(fn)
         return jax.lax.cond(pred, lambda: ctx.constrain(fn(), axes),
                             lambda: ctx.constrain(jnp.zeros(out.shape, out.dtype), axes))
@@ -241,8 +252,11 @@ class PipelineRunner(ModelRunner):
         return logits[-1], state.replace(cache=cache)
 
 
-def _resize(carry: jax.Array, tokens: int) -> jax.Array:
+def _resize(carry: jax.Array, tokens: int, sp: int) -> jax.Array:
     """The carry for a call of `tokens` tokens per replica: every microbatch in flight fits (their tokens
-    are a prefix of the row), so cutting drops only padding."""
+    are a prefix of the row in token order), so cutting drops only padding. Under sp the rows are in ring
+    order (jaxinfer.batch.ring_order), which depends on the row length: back to token order and out again."""
     have = carry.shape[2]
-    return carry[:, :, :tokens] if tokens <= have else jnp.pad(carry, ((0, 0), (0, 0), (0, tokens - have), (0, 0)))
+    carry = carry[:, :, np.argsort(ring_order(have, sp))]
+    carry = carry[:, :, :tokens] if tokens <= have else jnp.pad(carry, ((0, 0), (0, 0), (0, tokens - have), (0, 0)))
+    return carry[:, :, ring_order(tokens, sp)]

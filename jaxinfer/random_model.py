@@ -30,6 +30,10 @@ BENCH_100M = {**DEFAULT, "hidden_size": 768, "intermediate_size": 2048, "num_hid
               "num_attention_heads": 12, "num_key_value_heads": 4, "vocab_size": 32000,
               "max_position_embeddings": 2048}
 
+# The sequence-parallel benchmark's model: small weights, a 16k context, so attention dominates long prompts.
+BENCH_LONG = {**DEFAULT, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
+              "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 16384}
+
 # The MoE benchmark's Mixtral-style model: ModelConfig.from_dict(BENCH_MOE_100M).num_params() == 96,631,296
 # (~96.6M total; ~40.0M active per token: 2 of the 8 experts). intermediate_size is the expert width.
 BENCH_MOE_100M = {**DEFAULT, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 16000,

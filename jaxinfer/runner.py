@@ -105,7 +105,8 @@ class ModelRunner:
     def run(self, kind: str, batch: StepBatch, phase: str | None = None) -> Any:
         """Compile ahead of time once per bucket (timed apart), then execute on the donated pool; the
         outputs come back to the host. The executable is remembered as the latest of its phase."""
-        key = (kind, *(jax.typeof(x) for x in jax.tree.leaves((self.state, batch))))
+        leaves, tree = jax.tree.flatten((self.state, batch))   # the tree holds static flags (meta.ring)
+        key = (kind, tree, *map(jax.typeof, leaves))
         if key not in self.executables:
             t0 = time.perf_counter()
             with self._tracing():

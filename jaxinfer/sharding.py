@@ -29,8 +29,8 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv_heads": "tp",   # K/V heads (replicated first where tp exceeds them)
     "mlp": "tp",        # column-parallel gate/up, row-parallel down
     "layers": "pp",     # pipeline stages: each holds its slice of the stacked layers (and of the KV pool)
-    "seq": None,        # ring attention will shard this over sp
-    "pages": ("dp", "ep"),  # each replica owns its slice of the KV page pool
+    "seq": "sp",        # sequence parallel: a step's tokens split over sp (ring attention, jaxinfer.attention.ring)
+    "pages": ("dp", "ep", "sp"),  # each replica owns its slice of the KV page pool, spread over its sp ranks
     "experts": "ep",    # expert parallel: experts split over ep, tokens exchanged by all-to-all
     "head_dim": None,
 }
@@ -130,6 +130,11 @@ def validate(cfg: ModelConfig, mesh: MeshConfig) -> None:
     if mesh.pp > cfg.num_layers:
         raise MeshError(f"pp={mesh.pp} exceeds the model's {cfg.num_layers} layers: every pipeline stage needs "
                         f"at least one layer; use pp <= {cfg.num_layers}")
-    if mesh.sp > 1:
-        raise MeshError(f"sp={mesh.sp}: sequence parallel (ring attention) is not available for {cfg.architecture} "
-                        f"in this version of jaxinfer; use sp=1 with dp, pp and tp")
+
+def validate_sp(sp: int, context_length: int, page_size: int) -> None:
+    """sp spreads each sequence's pages over its ranks: a full context must reach every rank."""
+    pages = -(-context_length // page_size)
+    if sp > pages:
+        raise MeshError(f"sp={sp} exceeds the {pages} KV pages of the model's {context_length}-token context "
+                        f"(pages of {page_size} tokens): some sp ranks could never hold a page; use sp <= {pages} "
+                        f"or smaller pages")

@@ -48,18 +48,34 @@ def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
                                      num_seqs: jax.Array, *, sm_scale: float,
                                      return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Online softmax over page index j for all tokens at once. q: [N, H, D] -> [N, H, D] in q.dtype
-    (and the log-sum-exp [N, H] float32 with return_lse).
+    (and the log-sum-exp [N, H] float32 with return_lse)."""
+    chex.assert_rank([q, k_pages, page_table, seq_lens, query_start], [3, 5, 2, 1, 1])
+    chex.assert_shape(query_start, (seq_lens.shape[0] + 1,))
+    seq, pos, valid = _token_map(seq_lens, query_start, num_seqs, q.shape[0])
+    out, lse = paged_attention_partial(q, seq, jnp.where(valid, pos + 1, 0), k_pages, v_pages, layer, page_table,
+                                       sm_scale=sm_scale)
+    out = out.astype(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def paged_attention_partial(q: jax.Array, seq: jax.Array, kv_limit: jax.Array, k_pages: jax.Array,
+                            v_pages: jax.Array, layer: jax.Array, page_table: jax.Array, *, sm_scale: float,
+                            page_stride: int = 1, page_offset: jax.Array | int = 0) -> tuple[jax.Array, jax.Array]:
+    """Attention of each query token over part of its sequence's keys: the general form of the reference.
+
+    Token n reads the keys of sequence seq[n] at positions below kv_limit[n] (causal: position + 1; none
+    when 0). Entry j of a page table holds the sequence's page j * page_stride + page_offset: a rank of sp
+    holds every sp-th page. Returns float32 (out [N, H, D], lse [N, H]), 0 and -inf where no key is visible,
+    so partials over disjoint pages merge exactly (`merge_partials`).
 
     Each iteration gathers page j of every token's sequence ([N, KV, P, D]); the loop stops at the last
-    page any real token needs, so short steps do not pay for `max_pages`.
+    page any token needs, so memory per step is O(N x KV x P x D), never O(N x max_len).
     """
-    chex.assert_rank([q, k_pages, page_table, seq_lens, query_start], [3, 5, 2, 1, 1])
+    chex.assert_rank([q, k_pages, page_table, seq, kv_limit], [3, 5, 2, 1, 1])
     chex.assert_equal_shape([k_pages, v_pages])
-    chex.assert_shape(query_start, (seq_lens.shape[0] + 1,))
     n, h, d = q.shape
     _, kv, num_pages, page, _ = k_pages.shape
-    seq, pos, valid = _token_map(seq_lens, query_start, num_seqs, n)
-    tables = page_table[seq]                                          # [N, max_pages]
+    tables = page_table[jnp.clip(seq, 0, page_table.shape[0] - 1)]    # [N, pages]
     qg = q.reshape(n, kv, h // kv, d)
     kv_off = jnp.arange(page, dtype=jnp.int32)
 
@@ -68,7 +84,8 @@ def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
         pid = jnp.clip(tables[:, j], 0, num_pages - 1)                # entries past a sequence are arbitrary
         k, v = k_pages[layer, :, pid], v_pages[layer, :, pid]         # [N, KV, P, D]
         s = jnp.einsum("nkgd,nkpd->nkgp", qg, k, preferred_element_type=jnp.float32) * sm_scale
-        visible = (j * page + kv_off)[None, :] <= pos[:, None]        # [N, P]: causal, hence within seq_len
+        key_pos = (j * page_stride + page_offset) * page + kv_off
+        visible = key_pos[None, :] < kv_limit[:, None]                # [N, P]
         s = jnp.where(visible[:, None, None, :], s, _MASK)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None])
@@ -76,16 +93,25 @@ def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
         pv = jnp.einsum("nkgp,nkpd->nkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return m_new, corr * denom + p.sum(-1), corr[..., None] * acc + pv
 
-    n_iter = jnp.max(jnp.where(valid, pos // page + 1, 0), initial=0)
+    # pages j with (j * stride + offset) * page < limit, for the neediest token
+    needed = (-(-kv_limit // page) - page_offset + page_stride - 1) // page_stride
+    n_iter = jnp.clip(jnp.max(needed, initial=0), 0, tables.shape[1])
     init = (jnp.full(qg.shape[:3], -jnp.inf, jnp.float32), jnp.zeros(qg.shape[:3], jnp.float32),
             jnp.zeros(qg.shape, jnp.float32))
     m, denom, acc = lax.fori_loop(0, n_iter, body, init)
-    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
-    out = jnp.where(valid[:, None, None, None], out, 0).reshape(n, h, d).astype(q.dtype)
-    if not return_lse:
-        return out
-    lse = jnp.where(valid[:, None, None] & (denom > 0), m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
-    return out, lse.reshape(n, h)
+    seen = m > _MASK                  # some key was visible (with none, masked keys would add p = 1 each)
+    out = jnp.where(seen[..., None], acc / jnp.where(denom > 0, denom, 1.0)[..., None], 0)
+    lse = jnp.where(seen, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+    return out.reshape(n, h, d), lse.reshape(n, h)
+
+
+def merge_partials(outs: jax.Array, lses: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Exact attention from partials over disjoint key sets: outs [K, ..., D], lses [K, ...] (float32, -inf
+    where a part saw no key) -> (out [..., D], lse [...]); 0 and -inf where no part saw a key."""
+    lse = jax.nn.logsumexp(lses, axis=0)
+    finite = jnp.isfinite(lse)
+    w = jnp.where(finite, jnp.exp(lses - jnp.where(finite, lse, 0)), 0)    # exp(-inf - x) = 0 guards empty parts
+    return (w[..., None] * outs).sum(0), lse
 
 
 def _pick_block_q(group: int) -> int:

@@ -50,26 +50,36 @@ def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([lo, hi], axis=-1).astype(x.dtype)
 
 
-def rope_and_write_reference(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                             layer: jax.Array | int, positions: jax.Array, slots: jax.Array,
-                             inv_freq: jax.Array) -> Arrays3:
-    """Pure jax.numpy: RoPE, then one scatter per pool (mode="drop"), so a donated pool is updated in place."""
-    chex.assert_rank([q, k, v, k_pages, v_pages, positions, slots], [3, 3, 3, 5, 5, 1, 1])
-    chex.assert_equal_shape([k, v])
-    chex.assert_equal_shape([k_pages, v_pages])
-    chex.assert_equal_shape([positions, slots])
+def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding of x [N, heads, D] at `positions` [N], in x's dtype (computed in float32)."""
     angles = positions.astype(jnp.float32)[:, None] * inv_freq.astype(jnp.float32)[None, :]   # [N, D/2]
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
-    q_rot, k_rot = _rope(q, cos, sin), _rope(k, cos, sin)
+    return _rope(x, jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :])
+
+
+def write_pages(k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array | int, k: jax.Array, v: jax.Array,
+                slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """k, v [N, KV, D] into their slots of one layer; one scatter per pool (mode="drop": a slot outside the
+    pool writes nothing), so a donated pool is updated in place."""
     num_pages, page_size = k_pages.shape[2], k_pages.shape[3]
     valid = (slots >= 0) & (slots < num_pages * page_size)
     page = jnp.where(valid, slots // page_size, num_pages)[:, None]       # [N, 1]; num_pages is dropped
     offset = (slots % page_size)[:, None]
     heads = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]               # [1, KV]
     index = (layer, heads, page, offset)                                   # broadcasts to [N, KV]
-    k_pages = k_pages.at[index].set(k_rot.astype(k_pages.dtype), mode="drop")
-    v_pages = v_pages.at[index].set(v.astype(v_pages.dtype), mode="drop")
-    return q_rot, k_pages, v_pages
+    return (k_pages.at[index].set(k.astype(k_pages.dtype), mode="drop"),
+            v_pages.at[index].set(v.astype(v_pages.dtype), mode="drop"))
+
+
+def rope_and_write_reference(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                             layer: jax.Array | int, positions: jax.Array, slots: jax.Array,
+                             inv_freq: jax.Array) -> Arrays3:
+    """Pure jax.numpy: RoPE, then the K/V write."""
+    chex.assert_rank([q, k, v, k_pages, v_pages, positions, slots], [3, 3, 3, 5, 5, 1, 1])
+    chex.assert_equal_shape([k, v])
+    chex.assert_equal_shape([k_pages, v_pages])
+    chex.assert_equal_shape([positions, slots])
+    k_pages, v_pages = write_pages(k_pages, v_pages, layer, rope(k, positions, inv_freq), v, slots)
+    return rope(q, positions, inv_freq), k_pages, v_pages
 
 
 def _is_pow2(n: int) -> bool:

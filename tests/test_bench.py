@@ -134,3 +134,26 @@ def test_bench_pipeline_json(tmp_path, capsys):
     assert two["microbatches"] == 2 * 3 and two["burst_steps"] == 2 * 3 + 1
     assert two["utilisation"] == two["utilisation_formula"] == 6 / 7
     assert two["decode_collective_permute"] == {"count": 1, "bytes": 1 * TINY["hidden_size"] * 4}
+
+
+def test_bench_sequence_json(tmp_path, capsys):
+    """sp 1 and 2 on a 2-layer model: the ring's permutes in the prefill step, a decode merge whose bytes do
+    not depend on the context, KV bytes per device halved, and eta = 1 at sp=1 by definition."""
+    from jaxinfer import bench_sequence
+
+    path = write_random_checkpoint(tmp_path / "tiny", TINY)
+    argv = ["--model", str(path), "--sp", "1", "2", "--decode-sp", "2", "--prompt-len", "32",
+            "--contexts", "30", "62", "--decode-tokens", "2", "--dtype", "float32", "--json"]
+    assert bench_sequence.main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+    L, KV = TINY["num_hidden_layers"], TINY["num_key_value_heads"]
+    D = TINY["hidden_size"] // TINY["num_attention_heads"]
+    one, two = r["prefill"]
+    assert one["eta"] == 1.0 and one["collectives"] == {}
+    assert two["eta"] == pytest.approx(one["seconds"] / (2 * two["seconds"]))
+    assert two["collectives"]["collective-permute"] == {"count": L, "bytes": L * 16 * 2 * KV * D * 4}
+    short, long = r["decode"]
+    assert (short["context"], long["context"]) == (30, 62) and short["x_sp1"] == long["x_sp1"] == 1.0
+    assert short["collectives"] == long["collectives"] and long["collectives"]["all-to-all"]["count"] == L
+    page = 2 * L * KV * 16 * D * 4                               # K and V of 16 tokens, every layer, float32
+    assert (short["kv_bytes_per_device"], long["kv_bytes_per_device"]) == (1 * page, 2 * page)  # 2 and 4 pages

@@ -129,6 +129,18 @@ def test_pipeline_run_reports_its_hop_and_its_bubble(cache, tp2):
     assert pp["pipeline_utilisation"] == 0.5     # one request: one of the two stages busy at a time
 
 
+def test_sequence_parallel_run_reports_its_ring_and_its_decode_merge(cache, tp2):
+    r = launch(cache, "--mesh", "sp=2,tp=2", "--max-tokens", "4", "--json")
+    assert r.returncode == 0, r.stderr
+    sp = json.loads(r.stdout)
+    assert sp["output_token_ids"] == tp2["output_token_ids"]
+    assert sp["collectives"]["prefill"]["collective-permute"]["count"] == LAYERS      # sp - 1 per layer
+    decode = sp["collectives"]["decode"]
+    assert decode["collective-permute"]["count"] == 0
+    assert decode["all-to-all"]["count"] == LAYERS                   # the merge: one all-to-all per layer
+    assert decode["all-gather"]["count"] == LAYERS + 1               # and one all-gather, plus the logits'
+
+
 def test_unknown_axis_exits_2(cache):
     r = launch(cache, "--mesh", "xp=2", "--json")
     assert r.returncode == 2

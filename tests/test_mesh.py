@@ -10,7 +10,7 @@ import pytest
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.mesh import AXES, MeshConfig, MeshError
-from jaxinfer.sharding import kv_head_repeat, validate
+from jaxinfer.sharding import kv_head_repeat, validate, validate_sp
 
 
 def packaged_presets() -> list[str]:
@@ -260,12 +260,17 @@ def test_vocab_need_not_divide_tp(llama_variant):
     validate(llama_variant(vocab_size=390), MeshConfig.parse("tp=4"))
 
 
-@pytest.mark.parametrize("axis", ["ep", "sp"])
-def test_unavailable_axes_on_a_dense_model(llama, axis):
+def test_ep_needs_a_mixture_of_experts_model(llama):
     with pytest.raises(MeshError) as e:
-        validate(llama, MeshConfig.parse(f"{axis}=2"))
+        validate(llama, MeshConfig.parse("ep=2"))
     msg = str(e.value)
-    assert f"{axis}=2" in msg and "LlamaForCausalLM" in msg and f"use {axis}=1" in msg
+    assert "ep=2" in msg and "LlamaForCausalLM" in msg and "use ep=1" in msg
+
+
+def test_sp_needs_a_page_per_rank_of_a_full_context():
+    validate_sp(4, context_length=64, page_size=16)
+    with pytest.raises(MeshError, match="sp=8 exceeds the 4 KV pages of the model's 64-token context"):
+        validate_sp(8, context_length=64, page_size=16)
 
 
 def test_pp_needs_a_layer_per_stage(llama):

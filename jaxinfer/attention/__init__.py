@@ -4,7 +4,8 @@
 over its own sequence's pages. How it runs is engine configuration, not model code:
 - "xla": the pure-jnp references, the default on CPU;
 - "pallas": the Pallas GPU kernels (interpret mode on CPU), the default on GPU where they tile the shapes.
-Both run per device (paged.py); ring attention and sharded-KV decode over sp will join them here.
+Both run per device (paged.py). Under sequence parallel (sp > 1) attention is ring.py's: ring attention
+for prefill and decode over KV pages sharded across sp, on the jnp partial-attention reference.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import chex
 import jax
 
-from jaxinfer.attention import paged
+from jaxinfer.attention import paged, ring
 from jaxinfer.batch import StepMetadata
 from jaxinfer.kv_cache import PagedKVCache
 from jaxinfer.sharding import Layout
@@ -29,6 +30,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, lay
     chex.assert_type([k, v], q.dtype)
     chex.assert_shape(inv_freq, (q.shape[-1] // 2,))
     chex.assert_equal_shape([cache.k, cache.v])
+    if layout.axis_size("seq") > 1:
+        return ring.attention(q, k, v, cache, layer, inv_freq, meta, layout)
     q, cache = paged.rope_and_store(q, k, v, cache, layer, meta, inv_freq, layout, backend)
     return paged.paged_attention(q, cache, layer, meta, layout, backend), cache
 
@@ -38,12 +41,16 @@ def pallas_supports(head_dim: int, page_size: int) -> bool:
     return all(n >= 16 and n & (n - 1) == 0 for n in (head_dim, page_size))
 
 
-def choose_backend(requested: str | None, platform: str, head_dim: int, page_size: int) -> str:
-    """The kernels on GPU where they can serve the shapes, else the reference; an explicit choice is checked."""
+def choose_backend(requested: str | None, platform: str, head_dim: int, page_size: int, sp: int = 1) -> str:
+    """The kernels on GPU where they can serve the shapes, else the reference; an explicit choice is checked.
+    Under sp, attention is ring attention over the reference's partials."""
     if requested is None:
-        return "pallas" if platform == "gpu" and pallas_supports(head_dim, page_size) else "xla"
+        return "pallas" if platform == "gpu" and sp == 1 and pallas_supports(head_dim, page_size) else "xla"
     if requested not in BACKENDS:
         raise ValueError(f"attention backend {requested!r} is not one of {', '.join(BACKENDS)}")
+    if requested == "pallas" and sp > 1:
+        raise ValueError(f"the pallas attention backend does not run under sequence parallel (sp={sp}): "
+                         f"use attention_backend='xla' (ring attention)")
     if requested == "pallas" and not pallas_supports(head_dim, page_size):
         raise ValueError(f"the pallas attention backend needs head_dim and page_size to be powers of two >= 16; "
                          f"this model has head_dim {head_dim} and the cache page_size {page_size}: use "

@@ -23,7 +23,7 @@ from jaxinfer.sharding import Layout
 TOKENS = ("batch", "seq")
 Q, KV = (*TOKENS, "heads", "head_dim"), (*TOKENS, "kv_heads", "head_dim")
 META_AXES = StepMetadata(positions=TOKENS, slots=TOKENS, page_table=("batch", None, None), seq_lens=("batch", None),
-                         query_start=("batch", None), num_seqs=("batch",))
+                         query_start=("batch", None), num_seqs=("batch",), token_seq=TOKENS)
 
 
 def _interpret(layout: Layout) -> bool:
