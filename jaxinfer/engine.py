@@ -51,6 +51,12 @@ class Completion:
     token_ids: list[int]
     finish_reason: str          # "stop" (EOS, stop token or stop string) or "length"
     prompt_token_ids: list[int]
+    logprobs: list[dict[int, float]] | None = None  # per new token: {its id and the top ids: log-probability}
+
+    @classmethod
+    def of(cls, r: Request) -> Completion:
+        return cls(r.text, list(r.output), r.finish_reason, list(r.prompt),
+                   list(r.logprobs) if r.params.logprobs is not None else None)
 
 
 class Engine:
@@ -81,6 +87,8 @@ class Engine:
         # the microbatches at stages 1 .. pp - 1, newest first (None: nothing was scheduled there yet)
         self.in_flight: collections.deque[Microbatch] = collections.deque([None] * (self.stages - 1))
         self.requests: dict[str, tuple[Request, Scheduler]] = {}
+        self._stepping = False
+        self._deferred_aborts: list[str] = []   # asked for by token callbacks during a step
         self.stats = EngineStats()
         self.expert_load = ExpertLoad()
         self._ids = itertools.count()
@@ -132,13 +140,17 @@ class Engine:
             raise RequestError(f"token ids {bad[:5]} are outside the vocabulary of {self.cfg.vocab_size}")
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request now and return its pages; False if it is unknown or already finished."""
-        entry = self.requests.pop(request_id, None)
-        if entry is None:
+        """Stop a request and return its pages; False if it is unknown or already finished. Asked for from a
+        token callback (inside a step), it takes effect when the step's tokens have all been handed out."""
+        entry = self.requests.get(request_id)
+        if entry is None or entry[0].finish_reason is not None:
             return False
-        r, scheduler = entry
+        if self._stepping:
+            self._deferred_aborts.append(request_id)
+            return True
+        r, scheduler = self.requests.pop(request_id)
         scheduler.finish(r)
-        r.finish_reason = r.finish_reason or "abort"
+        r.finish_reason = "abort"
         return True
 
     def has_unfinished(self) -> bool:
@@ -165,16 +177,24 @@ class Engine:
             batch = pack(outputs, self.config.page_size, self.pages_per_replica, sp=self.sp)
         else:
             batch = pack_stages(stages, self.config.page_size, self.pages_per_replica, self.sp)
-        sampled, counts = self.runner.step(batch, "prefill" if prefill else "decode")
+        sampled, logprobs, counts = self.runner.step(batch, "prefill" if prefill else "decode")
         if counts is not None:
             self.expert_load.record(counts.sum(axis=1))
         seconds = time.perf_counter() - t0 - (self.runner.compile_seconds - compiled)
         done = stages[-1]                                        # left the last stage: its tokens are back
         self.in_flight = collections.deque(stages[:-1])
-        finished = [] if done is None else [r for sched, out, row in zip(self.schedulers, done, sampled, strict=True)
-                                            for r in sched.update(out, row)]
+        self._stepping = True
+        try:
+            finished = [] if done is None else [r for sched, out, row, lp in zip(self.schedulers, done, sampled,
+                                                                                 logprobs, strict=True)
+                                                for r in sched.update(out, row, lp)]
+        finally:
+            self._stepping = False
         for r in finished:
             del self.requests[r.id]
+        aborted, self._deferred_aborts = self._deferred_aborts, []
+        for request_id in aborted:
+            self.abort(request_id)
         s = self.stats
         s.steps += 1
         s.stage_steps += self.stages
@@ -207,16 +227,20 @@ class Engine:
         requests = [self.add_request(ids, p) for ids, p in zip(prompts, params, strict=True)]
         while self.has_unfinished():
             self.step()
-        return [Completion(r.text, r.output, r.finish_reason, r.prompt) for r in requests]
+        return [Completion.of(r) for r in requests]
 
     def stream(self, prompt: list[int], params: SamplingParams) -> Iterator[tuple[int, str]]:
-        """(token id, text delta) as each token is produced, while the engine serves everything queued."""
+        """(token id, text delta) as each token is produced, while the engine serves everything queued.
+        Closing the generator early (or dropping it) aborts the request."""
         events: list[tuple[int, str]] = []
         r = self.add_request(prompt, params, on_token=lambda _, token, delta: events.append((token, delta)))
-        while r.finish_reason is None:
-            self.step()
-            yield from events
-            events.clear()
+        try:
+            while r.finish_reason is None:
+                self.step()
+                yield from events
+                events.clear()
+        finally:
+            self.abort(r.id)
 
     def score(self, sequences: list[list[int]]) -> list[np.ndarray]:
         """float32 logits [T, V] of each sequence (up to the full context), computed in chunks of the step

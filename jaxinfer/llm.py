@@ -1,4 +1,7 @@
-"""LLM: the library API (vLLM's shape). Load a checkpoint onto a mesh, then generate, chat or score."""
+"""LLM: the library API (vLLM's shape). Load a checkpoint onto a mesh, then generate, chat, stream or score.
+
+Every call goes through one EngineLoop (jaxinfer.engine_loop), so an LLM may be shared by threads: their
+requests are batched together by the one thread that runs the engine."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from jaxinfer.checkpoint import Checkpoint, load_params
 from jaxinfer.collectives import collective_report
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import Completion, Engine
+from jaxinfer.engine_loop import EngineLoop, RequestStream
 from jaxinfer.layers import Weights
 from jaxinfer.mesh import MeshConfig
 from jaxinfer.models import model_for
@@ -62,6 +66,7 @@ class LLM:
         specs = split_stages(specs, self.config.num_layers, self.layout.axis_size("layers"))
         weights = load_params(checkpoint, specs, self.layout.sharding, self.dtype)
         self.engine = Engine(self.model, self.layout, weights, self.dtype, engine_config, self.tokenizer)
+        self.loop = EngineLoop(self.engine)
         log.info("loaded %s (%s) on mesh %s in %s", self.path, self.config.architecture, self.mesh_config,
                  jnp.dtype(self.dtype).name)
 
@@ -93,7 +98,13 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
-        return self.engine.generate([self.encode(p) for p in prompts], params)
+        streams = self.loop.submit_all([self.encode(p) for p in prompts], params)  # checked, then queued together
+        return [s.result() for s in streams]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestStream:
+        """Iterate for (token id, text delta) as they come; `.result()` for the Completion. Leaving the
+        iteration early aborts the request."""
+        return self.loop.submit(self.encode(prompt), params or SamplingParams())
 
     def chat(self, messages: list[dict] | list[list[dict]],
              params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
@@ -110,4 +121,4 @@ class LLM:
 
     def logits(self, token_id_lists: list[list[int]]) -> list[np.ndarray]:
         """Per sequence, float32 logits [T, V] of one full forward pass: the ground-truth hook for tests."""
-        return self.engine.score([[int(t) for t in ids] for ids in token_id_lists])
+        return self.loop.score([[int(t) for t in ids] for ids in token_id_lists])

@@ -163,10 +163,12 @@ class PipelineRunner(ModelRunner):
             self.state = self.state.replace(carry=self._resize(self.state.carry, tokens, self.sp))
         return super().run(kind, batch, phase)
 
-    def step(self, batch: PipelineBatch, phase: str) -> tuple[np.ndarray, np.ndarray | None]:
-        """(tokens sampled for the microbatch leaving the last stage [R, S], its MoE counts or None)."""
-        tokens, counts = self.run("step", batch, phase)
-        return tokens, None if counts is None else counts_by_layer(counts, self._moe_stacks, self.model.cfg.moe_layers)
+    def step(self, batch: PipelineBatch, phase: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(tokens sampled for the microbatch leaving the last stage [R, S], their log-probabilities, its MoE
+        counts or None)."""
+        tokens, logprobs, counts = self.run("step", batch, phase)
+        counts = None if counts is None else counts_by_layer(counts, self._moe_stacks, self.model.cfg.moe_layers)
+        return tokens, logprobs, counts
 
     # ---- traced ---------------------------------------------------------------------------------
     def _layers(self, layers: tuple[LayerStack, ...], x: jax.Array, cache: PagedKVCache, ctx: StepContext,
@@ -194,13 +196,19 @@ class PipelineRunner(ModelRunner):
         return jax.lax.cond(active, work, idle, x, cache)
 
     @staticmethod
-    def _when(pred: jax.Array, fn, axes, ctx: StepContext) -> jax.Array:
-        """fn() where pred holds, zeros elsewhere (with one sharding either way)."""
+    def _when(pred: jax.Array, fn, axes, ctx: StepContext) -> Any:
+        """fn() where pred holds, zeros elsewhere (with one sharding either way). fn returns an array (axes:
+        its logical axes) or a tuple of arrays (axes: a tuple of those)."""
+        many = isinstance(axes[0], tuple)
+        call, each = (fn, axes) if many else ((lambda: (fn(),)), (axes,))
+        pin = lambda xs: tuple(ctx.constrain(x, a) for x, a in zip(xs, each, strict=True))  # noqa: E731
         if ctx.layout.axis_size("seq") > 1:  # no collective inside a branch some devices skip (see _layers)
-            return ctx.constrain(jnp.where(pred, fn(), 0), axes)
-        out = jax.eval_shape(fn)
-        return jax.lax.cond(pred, lambda: ctx.constrain(fn(), axes),
-                            lambda: ctx.constrain(jnp.zeros(out.shape, out.dtype), axes))
+            out = pin(tuple(jnp.where(pred, x, 0) for x in call()))
+        else:
+            shapes = jax.eval_shape(call)
+            out = jax.lax.cond(pred, lambda: pin(call()),
+                               lambda: pin(tuple(jnp.zeros(x.shape, x.dtype) for x in shapes)))
+        return out if many else out[0]
 
     def _stages(self, fn, weights: Weights, *args, in_specs: tuple, out_specs: Any):
         """fn(layers, embed, head, *args) run per stage: pp manual, the other axes left to the compiler.
@@ -222,15 +230,20 @@ class PipelineRunner(ModelRunner):
             x = jax.lax.cond(s == 0, lambda: ctx.constrain(self._embed(embed, tokens, ctx), ACTIVATIONS),
                              lambda: ctx.constrain(carry[0], ACTIVATIONS))
             x, cache, counts = self._layers(layers, x, cache, ctx, active)
-            sampled = self._when((s == P - 1) & active, lambda: self._sample(head, x, *last, ctx), ("batch", None), ctx)
+            sampled = self._when((s == P - 1) & active, lambda: self._sample(head, x, *last, ctx),
+                                 (("batch", None), ("batch", None, None)), ctx)
             carry = jax.lax.ppermute(x, "pp", [(i, i + 1) for i in range(P - 1)])
-            sampled = jax.lax.psum(sampled, "pp")  # from the last stage (the others add zeros) to every device
-            return cache, carry[None], sampled, None if counts is None else counts[None]
+            # from the last stage (the others add zeros) to every device, in one all-reduce: the ids as
+            # float32 (exact below 2**24) beside their log-probabilities
+            tokens, logprobs = sampled
+            both = jax.lax.psum(jnp.concatenate([tokens[..., None].astype(jnp.float32), logprobs], -1), "pp")
+            sampled = both[..., 0].astype(jnp.int32), both[..., 1:]
+            return cache, carry[None], *sampled, None if counts is None else counts[None]
 
-        cache, carry, sampled, counts = self._stages(
+        cache, carry, tokens, logprobs, counts = self._stages(
             stage, weights, state.cache, state.carry, batch.tokens, batch.meta, batch.active, last,
-            in_specs=("pp", "pp", "", "pp", "pp", ""), out_specs=("pp", "pp", "", "pp"))
-        return (sampled, counts), PipelineState(cache, carry)
+            in_specs=("pp", "pp", "", "pp", "pp", ""), out_specs=("pp", "pp", "", "", "pp"))
+        return (tokens, logprobs, counts), PipelineState(cache, carry)
 
     def _score(self, weights: Weights, state: PipelineState, batch: StepBatch):
         """One microbatch through every stage within one call (a fill and drain): float32 logits [R, N, V]."""

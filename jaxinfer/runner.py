@@ -70,7 +70,8 @@ class ModelRunner:
 
     def _sample(self, head: Any, x: jax.Array, logits_index: jax.Array, sample_positions: jax.Array,
                 sampling: Any, ctx: StepContext) -> jax.Array:
-        """The head on each sequence's last token of this step, then one token drawn per sequence: [R, S]."""
+        """The head on each sequence's last token of this step, then one token drawn per sequence: [R, S],
+        and its log-probabilities [R, S, 1 + 2K] (jaxinfer.sampling.sample)."""
         last = jnp.take_along_axis(x, logits_index[..., None], axis=1)               # per-row gather
         logits = self._real_vocab(self.model.head(head, last, ctx))                 # [R, S, V]
         R, S, V = logits.shape
@@ -78,7 +79,8 @@ class ModelRunner:
         chex.assert_type(logits, jnp.float32)
         logits = ctx.constrain(logits, ("batch", None, "vocab"))  # pinned: gather logits, not weights
         logits = ctx.constrain(logits, ("batch", None, None)).reshape(R * S, V)
-        return sample(logits, sampling, sample_positions).reshape(R, S)
+        tokens, logprobs = sample(logits, sampling, sample_positions)
+        return tokens.reshape(R, S), logprobs.reshape(R, S, -1)
 
     def _logits(self, head: Any, x: jax.Array, ctx: StepContext) -> jax.Array:
         """float32 logits [R, N, V] of every token."""
@@ -87,8 +89,9 @@ class ModelRunner:
 
     def _step(self, weights: Weights, cache: PagedKVCache, batch: StepBatch):
         x, cache, counts, ctx = self._forward(weights, cache, batch)
-        tokens = self._sample(weights.head, x, batch.logits_index, batch.sample_positions, batch.sampling, ctx)
-        return (tokens, counts), cache
+        tokens, logprobs = self._sample(weights.head, x, batch.logits_index, batch.sample_positions,
+                                        batch.sampling, ctx)
+        return (tokens, logprobs, counts), cache
 
     def _score(self, weights: Weights, cache: PagedKVCache, batch: StepBatch):
         x, cache, _, ctx = self._forward(weights, cache, batch)
@@ -120,8 +123,9 @@ class ModelRunner:
     def _tracing(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
-    def step(self, batch: StepBatch, phase: str) -> tuple[np.ndarray, np.ndarray | None]:
-        """(sampled tokens [R, S], tokens routed to each expert [MoE layers, R, X] or None)."""
+    def step(self, batch: StepBatch, phase: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(sampled tokens [R, S], their log-probabilities [R, S, 1 + 2K], tokens routed to each expert
+        [MoE layers, R, X] or None)."""
         return self.run("step", batch, phase)
 
     def score(self, batch: StepBatch) -> np.ndarray:

@@ -13,6 +13,7 @@ from flax import struct
 
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a smaller temperature is greedy, not a division by ~0
 SEED_LIMIT = 2**32   # the device holds seeds as uint32
+MAX_LOGPROBS = 20    # most alternatives a request may ask for (vLLM's default max_logprobs)
 
 
 def _is_int(v: object) -> bool:
@@ -43,6 +44,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None   # per new token: its log-probability and the `logprobs` most likely tokens'
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -65,6 +67,8 @@ class SamplingParams:
             raise ValueError(f"stop={self.stop!r}: stop strings must be str")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs={_show(self.logprobs)} must be None or an integer in [0, {MAX_LOGPROBS}]")
         bad = [t for t in self.stop_token_ids if not _is_int(t) or t < 0]
         if bad:
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r}: {bad!r} must be integers >= 0")
@@ -80,6 +84,7 @@ class SamplingArrays:
     min_p: jax.Array        # float32 [B]
     seed: jax.Array         # uint32 [B]
     all_greedy: jax.Array   # bool [], known on the host: lets the sampler skip the sort without a collective
+    top_logprobs: int = struct.field(pytree_node=False, default=0)  # alternatives computed per row: 0 or MAX
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], batch: int, seeds: list[int]) -> SamplingArrays:
@@ -92,17 +97,30 @@ class SamplingArrays:
                    min_p=col(lambda p: p.min_p, np.float32, 0.0),
                    seed=np.array(list(seeds) + [0] * pad, np.uint32),
                    # in float32, as the device compares, so host and device agree on which rows are greedy
-                   all_greedy=np.array(bool((temperature < np.float32(GREEDY_BELOW)).all())))
+                   all_greedy=np.array(bool((temperature < np.float32(GREEDY_BELOW)).all())),
+                   top_logprobs=MAX_LOGPROBS if any(p.logprobs for p in params) else 0)
 
 
-def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array) -> jax.Array:
-    """Next token per row from float32 logits [B, V]. The key of row b is (seed, position), so a request
-    samples the same tokens whatever else shares its batch."""
+def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Next token per row from float32 logits [B, V], and its log-probabilities: float32 [B, 1 + 2K], the
+    drawn token's, then the ids and log-probabilities of the K = s.top_logprobs most likely tokens.
+
+    The key of row b is (seed, position), so a request samples the same tokens whatever else shares its
+    batch. Log-probabilities are those of the distribution the token was drawn from: after temperature
+    and the filters (a filtered token has -inf), the model's own for a greedy row.
+    """
+    greedy_rows = (s.temperature < GREEDY_BELOW)[:, None]
+    # The vocabulary sort of the filters costs more than the argmax by far: skip it when every row is greedy.
+    x = jax.lax.cond(s.all_greedy, lambda: logits, lambda: jnp.where(greedy_rows, logits, filter_logits(logits, s)))
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    # The vocabulary sort below costs more than the argmax by far: skip it when every row is greedy.
-    return jax.lax.cond(s.all_greedy, lambda: greedy,
-                        lambda: jnp.where(s.temperature < GREEDY_BELOW, greedy,
-                                          _sample_filtered(logits, s, positions)))
+    tokens = jax.lax.cond(s.all_greedy, lambda: greedy,
+                          lambda: jnp.where(greedy_rows[:, 0], greedy, _draw(x, s, positions)))
+    logprobs = jax.nn.log_softmax(x, axis=-1)
+    drawn = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)
+    if not s.top_logprobs:
+        return tokens, drawn
+    top, ids = jax.lax.top_k(logprobs, s.top_logprobs)
+    return tokens, jnp.concatenate([drawn, ids.astype(jnp.float32), top], axis=-1)  # ids < 2**24: exact
 
 
 def filter_logits(logits: jax.Array, s: SamplingArrays) -> jax.Array:
@@ -128,8 +146,7 @@ def filter_logits(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     return jnp.where(x >= threshold, x, -jnp.inf)
 
 
-def _sample_filtered(logits: jax.Array, s: SamplingArrays, positions: jax.Array) -> jax.Array:
-    """A draw from filter_logits with the key fold_in(key(seed), position) of each row."""
-    x = filter_logits(logits, s)
+def _draw(x: jax.Array, s: SamplingArrays, positions: jax.Array) -> jax.Array:
+    """A draw from filtered logits x [B, V] with the key fold_in(key(seed), position) of each row."""
     keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.key(seed), pos))(s.seed, positions)
     return jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)

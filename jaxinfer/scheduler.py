@@ -51,6 +51,7 @@ class Request:
     finish_reason: str | None = None
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     token_times: list[float] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)  # where params.logprobs is set
 
     @property
     def tokens(self) -> list[int]:
@@ -70,9 +71,15 @@ class Request:
     def text(self) -> str:
         return self.detokenizer.text if self.detokenizer is not None else ""
 
-    def add_token(self, token: int) -> None:
-        """Append a sampled token, stream it, and decide whether the request is finished."""
+    def add_token(self, token: int, logprobs: Sequence[float] | None = None) -> None:
+        """Append a sampled token (with its log-probabilities from the sampler: its own, then K ids and K
+        values), stream it, and decide whether the request is finished."""
         self.output.append(token)
+        if self.params.logprobs is not None and logprobs is not None:
+            k = (len(logprobs) - 1) // 2
+            top = zip(logprobs[1: 1 + k][: self.params.logprobs], logprobs[1 + k:][: self.params.logprobs],
+                      strict=True)
+            self.logprobs.append({token: float(logprobs[0]), **{int(i): float(v) for i, v in top if int(i) != token}})
         self.token_times.append(time.perf_counter())
         delta = self.detokenizer.add(token) if self.detokenizer is not None else ""
         if token in self.stop_ids or (self.detokenizer is not None and self.detokenizer.stopped):
@@ -176,19 +183,22 @@ class Scheduler:
             self._in_flight.append([r for r, _ in scheduled])
         return SchedulerOutput([self._describe(r, n) for r, n in scheduled])
 
-    def update(self, output: SchedulerOutput, sampled: Sequence[int]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: Sequence[int],
+               logprobs: Sequence[Sequence[float]] | None = None) -> list[Request]:
         """After the device step that completed `output` (the oldest one not yet updated): its tokens are in
-        the cache, and each sequence that sampled gets its token (sampled[i] for output.sequences[i]).
-        Requests aborted meanwhile are skipped. Returns the requests that finished."""
+        the cache, and each sequence that sampled gets its token (sampled[i] for output.sequences[i], with
+        its log-probabilities logprobs[i]). Requests aborted meanwhile are skipped. Returns the requests
+        that finished."""
         finished = []
         if not output:
             return finished
-        for r, seq, token in zip(self._in_flight.popleft(), output.sequences, sampled, strict=False):
+        rows = logprobs if logprobs is not None else [None] * len(output.sequences)
+        for r, seq, token, lp in zip(self._in_flight.popleft(), output.sequences, sampled, rows, strict=False):
             if r.finish_reason is not None:
                 continue
             self._computed(r, len(seq.token_ids))
             if seq.samples:
-                r.add_token(int(token))
+                r.add_token(int(token), lp)
                 if r.finish_reason:
                     self.finish(r)
                     finished.append(r)

@@ -2,7 +2,10 @@
 request ids, a stalled engine reported instead of spinning, and the launcher's flags checked before loading."""
 
 import dataclasses
+import threading
+import time
 
+import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams, launch
@@ -108,3 +111,106 @@ def test_launcher_checks_flags_before_loading(argv, says, tmp_path, capsys):
     code = launch.main([*argv, "--model", str(tmp_path / "missing")])
     err = capsys.readouterr().err
     assert code == 2 and says in err and "Traceback" not in err and "does not exist" not in err
+
+
+# ---- sharing one engine ------------------------------------------------------------------------------------
+PROMPTS = [[1, 5, 9, 13], [1, 40, 41], [1, 7] * 9, [1, 99, 98, 97, 96, 95]]
+
+
+def test_two_threads_generating_at_once_get_what_each_gets_alone(llm):
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    alone = [c.token_ids for c in llm.generate(PROMPTS, params)]
+    results: dict[int, list[list[int]]] = {}
+
+    def work(i: int) -> None:
+        mine = PROMPTS[i::2]
+        results[i] = [c.token_ids for c in llm.generate(mine, params)]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert results == {0: alone[0::2], 1: alone[1::2]}
+    assert llm.loop.running == 0 and not llm.engine.has_unfinished()
+
+
+def test_aborting_from_a_token_callback_stops_that_request_and_nothing_else(llm):
+    engine = llm.engine
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    expected = llm.generate(PROMPTS[:2], params)
+
+    def stop_after_two(r, token, delta):
+        if len(r.output) == 2:
+            assert engine.abort(r.id)                     # deferred to the end of the step
+
+    a = engine.add_request(PROMPTS[0], params, on_token=stop_after_two)
+    b = engine.add_request(PROMPTS[1], params)
+    while engine.has_unfinished():
+        engine.step()
+    assert (a.finish_reason, a.output) == ("abort", expected[0].token_ids[:2])
+    assert (b.finish_reason, b.output) == ("length", expected[1].token_ids)
+    pool = engine.schedulers[0].pool
+    assert pool.available == pool.num_pages
+
+
+@pytest.mark.parametrize("api", ["engine", "llm"])
+def test_leaving_a_stream_early_aborts_its_request(llm, api):
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    stream = llm.engine.stream(PROMPTS[2], params) if api == "engine" else iter(llm.stream(PROMPTS[2], params))
+    got = [next(stream)[0] for _ in range(2)]
+    stream.close()
+    assert got == llm.generate([PROMPTS[2]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))[0].token_ids
+    for _ in range(100):                                 # the loop applies the abort between its steps
+        if llm.loop.running == 0:
+            break
+        time.sleep(0.05)
+    with llm.loop.lock:
+        pool = llm.engine.schedulers[0].pool
+        assert not llm.engine.has_unfinished() and pool.available == pool.num_pages
+
+
+def test_a_request_the_loop_cannot_serve_is_refused_when_submitted(llm):
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        llm.stream([1, 10**6])
+    assert llm.loop.running == 0
+
+
+def test_logprobs_are_the_log_softmax_of_the_logits_the_token_was_drawn_from(llm):
+    prompt = PROMPTS[3]
+    greedy = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=3))[0]
+    logits = llm.logits([prompt + greedy.token_ids[:-1]])[0][len(prompt) - 1:]
+    ref = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    assert len(greedy.logprobs) == len(greedy.token_ids) == 4
+    for t, (token, entry) in enumerate(zip(greedy.token_ids, greedy.logprobs, strict=True)):
+        assert set(entry) == {token, *np.argsort(-ref[t])[:3].tolist()}
+        np.testing.assert_allclose([entry[i] for i in entry], ref[t, list(entry)], atol=1e-4)
+    # sampled: temperature 0.5 and top-k 2, so the token comes from two candidates whose log-probabilities
+    # are the log-softmax of the two largest logits / 0.5; the rest are -inf
+    drawn = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.5, top_k=2, seed=7, logprobs=3))[0]
+    top2 = np.sort(logits[0])[-2:] / 0.5
+    entry = drawn.logprobs[0]
+    assert len(entry) == 3 and sorted(entry.values())[0] == -np.inf
+    np.testing.assert_allclose(sorted(entry.values())[1:], top2 - np.logaddexp.reduce(top2), atol=1e-4)
+    assert llm.generate([prompt], SamplingParams(max_tokens=1))[0].logprobs is None
+
+
+def test_logprobs_beyond_the_limit_are_refused():
+    with pytest.raises(ValueError, match=r"logprobs=21 must be None or an integer in \[0, 20\]"):
+        SamplingParams(logprobs=21)
+
+
+def test_an_idle_loop_holds_no_thread_so_an_unused_llm_is_freed(hf_tiny):
+    import gc
+    import weakref
+
+    llm = LLM(hf_tiny / "llama", dtype="float32")
+    llm.generate([[1, 5, 6]], SamplingParams(max_tokens=2))
+    for _ in range(100):
+        if llm.loop._thread is None:
+            break
+        time.sleep(0.05)
+    engine = weakref.ref(llm.engine)
+    del llm
+    gc.collect()
+    assert engine() is None                              # its weights and KV pool go with it

@@ -133,8 +133,9 @@ def test_pp4_decode_step_moves_activations_once_and_holds_a_quarter_of_the_layer
     hidden = llm.config.hidden_size
     # one collective-permute per step: [R=1, N=1 token, hidden] float32 from each stage to the next
     assert report["collective-permute"] == {"count": 1, "bytes": hidden * 4}
-    # one all-reduce of the sampled token ids [R, S] over pp (from the last stage); nothing gathers weights
-    assert report["all-reduce"] == {"count": 1, "bytes": 4}
+    # one all-reduce over pp (from the last stage) of the sampled token id and its log-probability [R, S, 2]
+    # float32; nothing gathers weights
+    assert report["all-reduce"] == {"count": 1, "bytes": 8}
     assert report["all-gather"]["count"] == report["all-to-all"]["count"] == 0
     w = llm.weights
     layer_bytes = sum(x.nbytes for x in jax.tree.leaves(w.layers))

@@ -15,6 +15,11 @@ sample, filter_logits = jax.jit(_sample), jax.jit(_filter_logits)
 # ---- SamplingParams validation ----------------------------------------------------------------------------
 
 
+def draw(logits, arrays, positions):
+    """The tokens of sample() (its log-probabilities have their own tests)."""
+    return sample(logits, arrays, positions)[0]
+
+
 @pytest.mark.parametrize("kw, names", [
     (dict(max_tokens=0), ["max_tokens=0", "at least 1"]),
     (dict(max_tokens=2.5), ["max_tokens=2.5", "integer"]),
@@ -78,7 +83,7 @@ def _arrays(n: int, seeds=None, **kw) -> SamplingArrays:
 def _draws(logits: list[float], n: int = 256, **kw) -> np.ndarray:
     """n draws from one row of logits, one seed each."""
     x = jnp.tile(jnp.asarray(logits, jnp.float32), (n, 1))
-    return np.asarray(sample(x, _arrays(n, **kw), jnp.zeros(n, jnp.int32)))
+    return np.asarray(draw(x, _arrays(n, **kw), jnp.zeros(n, jnp.int32)))
 
 
 def _kept(logits: list[float], **kw) -> set[int]:
@@ -95,7 +100,7 @@ def test_greedy_below_is_vllms_eps():
 def test_tiny_temperature_is_greedy(temperature):
     s = _arrays(64, temperature=temperature)
     assert bool(s.all_greedy)
-    out = sample(jnp.tile(jnp.asarray([1.0, 3.0, 2.0, -1.0]), (64, 1)), s, jnp.arange(64))
+    out = draw(jnp.tile(jnp.asarray([1.0, 3.0, 2.0, -1.0]), (64, 1)), s, jnp.arange(64))
     assert np.asarray(out).tolist() == [1] * 64
 
 
@@ -107,7 +112,7 @@ def test_tiny_temperature_row_is_greedy_in_a_sampled_batch(temperature):
     params = [SamplingParams(temperature=temperature), SamplingParams(temperature=1.0)] * 16
     s = SamplingArrays.from_params(params, 32, list(range(32)))
     assert not bool(s.all_greedy)
-    out = np.asarray(sample(logits, s, jnp.arange(32)))
+    out = np.asarray(draw(logits, s, jnp.arange(32)))
     assert out[0::2].tolist() == [1] * 16 and len(set(out[1::2].tolist())) > 1
 
 
@@ -207,7 +212,7 @@ def test_top_k_off_samples_every_token():
 def test_same_seed_and_position_same_token():
     x = jnp.zeros((8, 1000))
     s = SamplingArrays.from_params([SamplingParams()] * 8, 8, [7] * 8)
-    out = np.asarray(sample(x, s, jnp.asarray([3, 3, 0, 1, 2, 4, 5, 6]))).tolist()
+    out = np.asarray(draw(x, s, jnp.asarray([3, 3, 0, 1, 2, 4, 5, 6]))).tolist()
     assert out[0] == out[1]                                              # same (seed, position), same draw
     assert len(set(out[1:])) > 1                                         # the position changes the key
 
@@ -219,20 +224,21 @@ def test_rows_do_not_depend_on_the_batch():
               SamplingParams(temperature=1.0, min_p=0.1), SamplingParams(temperature=1.3),
               SamplingParams(temperature=0.5, top_k=5, top_p=0.7, min_p=0.05)]
     seeds, positions = [11, 0, 3, 2**32 - 1, 11], jnp.asarray([4, 9, 0, 17, 4])
-    batch = np.asarray(sample(logits, SamplingArrays.from_params(params, 5, seeds), positions))
+    batch = np.asarray(draw(logits, SamplingArrays.from_params(params, 5, seeds), positions))
     assert batch[1] == int(jnp.argmax(logits[1]))
     for i in range(5):
-        alone = sample(logits[i: i + 1], SamplingArrays.from_params([params[i]], 1, [seeds[i]]), positions[i: i + 1])
+        alone = draw(logits[i: i + 1], SamplingArrays.from_params([params[i]], 1, [seeds[i]]), positions[i: i + 1])
         assert int(alone[0]) == batch[i], i
     # reversed and padded with greedy rows, the rows still draw the same tokens
     padded = jnp.concatenate([logits[::-1], jnp.zeros((3, 50))])
     s = SamplingArrays.from_params(params[::-1], 8, seeds[::-1])
-    out = np.asarray(sample(padded, s, jnp.concatenate([positions[::-1], jnp.zeros(3, jnp.int32)])))
+    out = np.asarray(draw(padded, s, jnp.concatenate([positions[::-1], jnp.zeros(3, jnp.int32)])))
     assert out[:5].tolist() == batch[::-1].tolist()
 
 
 def test_sample_runs_eagerly():
     s = _arrays(3, temperature=0.7, top_k=2)
     x = jnp.asarray([[0.0, 1.0, 2.0], [2.0, 1.0, 0.0], [1.0, 2.0, 0.0]])
-    out = _sample(x, s, jnp.arange(3))
+    out, logprobs = _sample(x, s, jnp.arange(3))
     assert out.dtype == jnp.int32 and all(int(o) in k for o, k in zip(out, [{1, 2}, {0, 1}, {0, 1}], strict=True))
+    assert logprobs.shape == (3, 1) and bool(jnp.isfinite(logprobs).all())   # the drawn tokens: finite
