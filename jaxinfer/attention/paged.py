@@ -30,7 +30,7 @@ def _interpret(layout: Layout) -> bool:
     return layout.mesh.devices.flat[0].platform == "cpu"
 
 
-def _one_replica(x: jax.Array) -> jax.Array:
+def one_replica(x: jax.Array) -> jax.Array:
     """A device holds exactly one replica's row of the step ("batch" is split over the replicas)."""
     assert x.shape[0] == 1, f"expected one replica's row per device, got {x.shape[0]}"
     return x[0]
@@ -44,8 +44,8 @@ def rope_and_store(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache
               else rope_and_write_reference)
 
     def local(q, k, v, k_pages, v_pages, layer, meta, inv_freq):
-        q, k_pages, v_pages = kernel(*map(_one_replica, (q, k, v)), k_pages, v_pages, layer,
-                                     _one_replica(meta.positions), _one_replica(meta.slots), inv_freq)
+        q, k_pages, v_pages = kernel(*map(one_replica, (q, k, v)), k_pages, v_pages, layer,
+                                     one_replica(meta.positions), one_replica(meta.slots), inv_freq)
         return q[None], k_pages, v_pages
 
     q, k_pages, v_pages = layout.shard_map(
@@ -63,8 +63,8 @@ def paged_attention(q: jax.Array, cache: PagedKVCache, layer: jax.Array, meta: S
               if backend == "pallas" else functools.partial(ragged_paged_attention_reference, sm_scale=scale))
 
     def local(q, k_pages, v_pages, layer, meta):
-        m = jax.tree.map(_one_replica, meta)
-        return kernel(_one_replica(q), k_pages, v_pages, layer, m.page_table, m.seq_lens, m.query_start,
+        m = jax.tree.map(one_replica, meta)
+        return kernel(one_replica(q), k_pages, v_pages, layer, m.page_table, m.seq_lens, m.query_start,
                       m.num_seqs)[None]
 
     return layout.shard_map(local, in_axes=(Q, POOL_AXES, POOL_AXES, None, META_AXES), out_axes=Q,

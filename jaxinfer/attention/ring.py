@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxinfer.attention.paged import KV, META_AXES, Q, _one_replica
+from jaxinfer.attention.paged import KV, META_AXES, Q, one_replica
 from jaxinfer.batch import StepMetadata
 from jaxinfer.kv_cache import POOL_AXES, PagedKVCache
 from jaxinfer.pallas_kernels.ragged_paged_attention import merge_partials, paged_attention_partial
@@ -63,7 +63,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, lay
     ring = [(r, (r + 1) % W) for r in range(W)]
 
     def local(q, k, v, k_pages, v_pages, layer, meta, inv_freq):
-        q, k, v, m = q[0], k[0], v[0], jax.tree.map(_one_replica, meta)
+        q, k, v, m = q[0], k[0], v[0], jax.tree.map(one_replica, meta)
         rank, n = lax.axis_index(axis), q.shape[0]
         page, per_rank = k_pages.shape[3], k_pages.shape[2]
 
