@@ -3,6 +3,8 @@
     python -m jaxinfer.bench_serving                        # random-weight BENCH_100M, 32 requests, all at t=0
     python -m jaxinfer.bench_serving --preset small --request-rate 4 --json
     python -m jaxinfer.bench_serving --mesh dp=2 --num-pages 64 --max-tokens-per-step 128
+    python -m jaxinfer.bench_serving --http --preset small  # in-process streams vs the same over HTTP
+    python -m jaxinfer.bench_serving --url http://127.0.0.1:8000 --num-requests 64 --concurrency 16
 
 Workload: --num-requests requests; prompt and output lengths uniform (inclusive) over the two ranges, prompt
 tokens uniform over the vocabulary, all from --seed. Arrivals are in wall time, as in vLLM's benchmark: a
@@ -31,15 +33,49 @@ Figures (measured pass only; percentiles are numpy's linear interpolation):
   replicas; cached pages no running request references are not in use).
 - page_hash_us: host time to key one full page for the prefix cache (chained SHA-256 over 16-token pages
   of a 4,096-token prompt, best of 5), the price of collision-resistant keys.
+
+HTTP load (--http, --url): what the HTTP layer costs. --http loads the model as above, starts the
+OpenAI-compatible server (jaxinfer.serve.build_app on uvicorn, in a thread of this process, on 127.0.0.1 and a
+free port), and serves the same workload (same prompts as token ids, output lengths and arrivals; greedy,
+ignore_eos, max_tokens = the drawn length) two ways, each with --concurrency streaming clients (default: one
+per request), asyncio tasks of this process: in-process, each client reads the token stream of
+llm.loop.submit; over HTTP, each POSTs /v1/completions with the prompt ids and "stream": true (one
+httpx.AsyncClient per pass, so connecting counts) and reads the server-sent events, one token per chunk
+whose choice has no finish_reason. Each way gets its own warm-up pass(es) with other tokens, as above, both
+before either is measured, and the prefix cache is emptied after every pass. Clients submit one by one
+while the engine runs, so batches depend on the clock even at --request-rate inf: compilations_measured
+and compile_seconds_measured show any bucket still new, and the stall it added to the latencies.
+--url drives a running server instead (the first model of its GET /v1/models; --api-key if it needs one):
+HTTP figures only; its prefix cache cannot be emptied (random prompts share no pages anyway), and prompt
+ids are drawn below --vocab-size (default 256, which any real vocabulary covers: the API does not tell a
+model's vocabulary size).
+Figures, per way (what a client sees, so they include the client's own time; with --http the client,
+the server and the engine share this process and its GIL):
+- a request's arrival is when its client sends it: its scheduled time, or later if all clients are busy;
+  each token's time is when the client receives it.
+- duration_s: first arrival (t=0) to the last token received; request / output throughput = requests /
+  output tokens over it. TTFT = first token - arrival; ITL = gaps between consecutive tokens of one
+  request, all requests pooled.
+- http_over_in_process: throughput_ratio = HTTP / in-process output throughput (the same tokens, so also
+  in-process duration / HTTP duration); ttft_median_diff_ms and itl_median_diff_ms = HTTP - in-process
+  medians. outputs_match: every request's text is the same both ways (greedy decoding).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import json
 import math
+import socket
 import sys
+import threading
 import time
 import timeit
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import numpy as np
 
@@ -62,11 +98,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len-range", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    way = p.add_mutually_exclusive_group()
+    way.add_argument("--http", action="store_true",
+                     help="serve the workload in-process and over HTTP (a server in this process), side by side")
+    way.add_argument("--url", default=None,
+                     help="drive the OpenAI-compatible server at this URL, e.g. http://127.0.0.1:8000 (HTTP only)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="--http/--url: streaming clients (default: one per request)")
+    p.add_argument("--vocab-size", type=int, default=256, help="--url: prompt ids are drawn below this")
+    p.add_argument("--api-key", default=None, help="--url: sent as Authorization: Bearer KEY")
     EngineConfig.add_cli_args(p)
     return p.parse_args(argv)
 
 
-def workload(args: argparse.Namespace, vocab: int, seed: int) -> list[tuple[float, list[int], int]]:
+Work = list[tuple[float, list[int], int]]
+
+
+def workload(args: argparse.Namespace, vocab: int, seed: int) -> Work:
     """(arrival offset s, prompt ids, output length) per request: lengths and arrivals from --seed, tokens
     from `seed`, so the warm-up has the measured pass's shape with other tokens."""
     rng, tok = np.random.default_rng(args.seed), np.random.default_rng(seed)
@@ -78,7 +126,7 @@ def workload(args: argparse.Namespace, vocab: int, seed: int) -> list[tuple[floa
             for t, lp, lo in zip(np.cumsum(gaps), prompt_lens, output_lens, strict=True)]
 
 
-def serve(engine, work: list[tuple[float, list[int], int]]) -> dict:
+def serve(engine, work: Work) -> dict:
     """Drive the engine through one workload; returns the requests, duration and per-step KV samples."""
     from jaxinfer.sampling import SamplingParams
 
@@ -149,46 +197,268 @@ def summarise(res: dict, page_size: int, max_len: int, pool_pages: int) -> dict:
     }
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Warm-up pass, measured pass, and the report (the --json output)."""
+def check_args(args: argparse.Namespace) -> int:
+    """Refuses impossible workloads; returns the longest request (max prompt + max output length)."""
+    (p0, p1), (o0, o1) = args.prompt_len_range, args.output_len_range
+    if not (1 <= p0 <= p1 and 1 <= o0 <= o1 and args.num_requests >= 1 and args.request_rate > 0):
+        raise ValueError("need 1 <= MIN <= MAX for both length ranges, --num-requests >= 1, --request-rate > 0")
+    if (args.concurrency is not None and args.concurrency < 1) or args.vocab_size < 1:
+        raise ValueError("--concurrency and --vocab-size must be >= 1")
+    return p1 + o1
+
+
+def warmup_passes(args: argparse.Namespace) -> int:
+    """A second pass with compiled buckets times finite-rate arrivals more like the measured one."""
+    return 1 if math.isinf(args.request_rate) else 2
+
+
+def load(args: argparse.Namespace):
+    """The LLM of --model (or the random-weight --preset), checked to hold the longest request; and its label."""
     import jax
-    import jax.numpy as jnp
 
     from jaxinfer.llm import LLM
     from jaxinfer.random_model import BENCH_100M, DEFAULT, ensure
 
-    (p0, p1), (o0, o1) = args.prompt_len_range, args.output_len_range
-    if not (1 <= p0 <= p1 and 1 <= o0 <= o1 and args.num_requests >= 1 and args.request_rate > 0):
-        raise ValueError("need 1 <= MIN <= MAX for both length ranges, --num-requests >= 1, --request-rate > 0")
+    max_len = check_args(args)
     name, cfg = {"bench": ("bench-100m-random-llama", BENCH_100M), "small": ("default-random-llama", DEFAULT)}[
         args.preset]
     path = ensure(name, cfg) if args.model is None else args.model
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     llm = LLM(path, mesh=args.mesh, dtype=dtype, engine_config=EngineConfig.from_cli_args(args))
-    engine, max_len = llm.engine, p1 + o1
-    capacity = engine.pages_per_replica * args.page_size
+    capacity = llm.engine.pages_per_replica * args.page_size
     if max_len > min(llm.config.context_length, capacity):
         raise ValueError(f"max prompt + output length {max_len} exceeds the context limit "
                          f"{llm.config.context_length} or the {capacity}-token page pool; shorten the ranges")
+    return llm, f"{name} (random weights)" if args.model is None else str(llm.path)
+
+
+def describe(llm, label: str, args: argparse.Namespace) -> dict:
+    """The model, the mesh and the workload: the head of every report."""
+    import jax.numpy as jnp
+
+    return {
+        "model": str(llm.path), "random_weights": args.model is None, "label": label,
+        "num_params": llm.config.num_params(), "dtype": jnp.dtype(llm.dtype).name, "mesh": str(llm.mesh_config),
+        "platform": llm.layout.mesh.devices.flat[0].platform, "attention_backend": llm.engine.runner.backend,
+        **describe_workload(args),
+    }
+
+
+def describe_workload(args: argparse.Namespace) -> dict:
+    return {"num_requests": args.num_requests,
+            "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+            "prompt_len_range": list(args.prompt_len_range), "output_len_range": list(args.output_len_range)}
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Warm-up pass, measured pass, and the report (the --json output)."""
+    llm, label = load(args)
+    engine, max_len = llm.engine, args.prompt_len_range[1] + args.output_len_range[1]
     vocab = llm.config.vocab_size
-    t, passes = time.perf_counter(), 1 if math.isinf(args.request_rate) else 2
-    for i in range(passes):  # a second pass with compiled buckets times arrivals more like the measured one
+    t, passes = time.perf_counter(), warmup_passes(args)
+    for i in range(passes):
         serve(engine, workload(args, vocab, args.seed + 1 + i))
         engine.reset_prefix_cache()  # an empty prefix cache again: the next pass schedules as this one did
     warmup = time.perf_counter() - t
     result = summarise(serve(engine, workload(args, vocab, args.seed)), args.page_size, max_len,
                        engine.pages_per_replica * len(engine.schedulers))
     return {
-        "model": str(llm.path), "random_weights": args.model is None,
-        "label": f"{name} (random weights)" if args.model is None else str(llm.path),
-        "num_params": llm.config.num_params(), "dtype": jnp.dtype(llm.dtype).name, "mesh": str(llm.mesh_config),
-        "platform": llm.layout.mesh.devices.flat[0].platform, "attention_backend": engine.runner.backend,
-        "num_requests": args.num_requests,
-        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
-        "prompt_len_range": [p0, p1], "output_len_range": [o0, o1], "page_size": args.page_size,
+        **describe(llm, label, args), "page_size": args.page_size,
         "max_num_seqs": args.max_num_seqs, "max_tokens_per_step": engine.max_tokens, "seed": args.seed,
         "warmup_s": warmup, "warmup_passes": passes, "compilations_total": engine.compilations, **result,
     }
+
+
+# ---- HTTP load (--http, --url) ---------------------------------------------------------------------------
+@dataclasses.dataclass
+class Record:
+    """One streamed request as its client saw it: when it was sent, and each token's time and text."""
+
+    sent: float
+    times: list[float] = dataclasses.field(default_factory=list)
+    texts: list[str] = dataclasses.field(default_factory=list)
+
+
+# (prompt ids, max_tokens) -> the text of each token as it comes
+TokenStream = Callable[[list[int], int], AsyncIterator[str]]
+# a workload -> its records and its start time (perf_counter)
+Pass = Callable[[Work], Awaitable[tuple[list[Record], float]]]
+
+
+async def drive(stream: TokenStream, work: Work, concurrency: int) -> tuple[list[Record], float]:
+    """Each request sent at its arrival time, by one of `concurrency` clients; records in workload order."""
+    clients, t0 = asyncio.Semaphore(concurrency), time.perf_counter()
+
+    async def client(at: float, prompt: list[int], max_tokens: int) -> Record:
+        await asyncio.sleep(max(t0 + at - time.perf_counter(), 0))
+        async with clients:
+            record = Record(time.perf_counter())
+            async for text in stream(prompt, max_tokens):
+                record.times.append(time.perf_counter())
+                record.texts.append(text)
+            return record
+
+    return list(await asyncio.gather(*(client(*w) for w in work))), t0
+
+
+async def in_process_pass(llm, concurrency: int, work: Work) -> tuple[list[Record], float]:
+    """The workload through llm.loop's streams."""
+    from jaxinfer.sampling import SamplingParams
+
+    async def stream(prompt: list[int], max_tokens: int) -> AsyncIterator[str]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        async for _, delta in llm.loop.submit(prompt, params, asynchronous=True):
+            yield delta
+
+    return await drive(stream, work, concurrency)
+
+
+async def http_pass(url: str, model: str, api_key: str | None, concurrency: int,
+                    work: Work) -> tuple[list[Record], float]:
+    """The workload as streamed POST /v1/completions, over one client's connections."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits, headers=auth(api_key)) as client:
+
+        async def stream(prompt: list[int], max_tokens: int) -> AsyncIterator[str]:
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    error = (await response.aread()).decode(errors="replace")
+                    raise OSError(f"POST {url}/v1/completions: {response.status_code} {error}")
+                async for line in response.aiter_lines():
+                    for text in sse_tokens(line):
+                        yield text
+
+        return await drive(stream, work, concurrency)
+
+
+def sse_tokens(line: str) -> list[str]:
+    """The tokens' texts in one server-sent event line of a streamed completion: each choice without a
+    finish_reason carries one token (its text may be empty); a choice's last chunk has only the finish_reason."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return []
+    chunk = json.loads(line[len("data: "):])
+    if "error" in chunk:
+        raise OSError(f"the server failed a request: {chunk['error'].get('message')}")
+    return [c["text"] for c in chunk["choices"] if c["finish_reason"] is None]
+
+
+def auth(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def stream_figures(records: list[Record], t0: float, work: Work) -> dict:
+    """The HTTP-load figures of the module docstring from one pass."""
+    tokens = sum(len(r.times) for r in records)
+    duration = max(r.times[-1] for r in records if r.times) - t0
+    return {"duration_s": duration, "output_tokens": tokens,
+            "exact_output_lengths": all(len(r.times) == n for r, (_, _, n) in zip(records, work, strict=True)),
+            "request_throughput": len(records) / duration, "output_throughput": tokens / duration,
+            "ttft": dist([r.times[0] - r.sent for r in records if r.times]),
+            "itl": dist([b - a for r in records for a, b in zip(r.times, r.times[1:], strict=False)])}
+
+
+def reset(llm) -> None:
+    """Empties the prefix cache of `llm` (None: a remote server, whose cache this cannot reach)."""
+    if llm is not None:
+        with llm.loop.lock:
+            llm.engine.reset_prefix_cache()
+
+
+def warm_up(run_pass: Pass, args: argparse.Namespace, vocab: int, llm=None) -> float:
+    """The warm-up pass(es): the measured workload's shape with other tokens. Returns the seconds taken."""
+    t = time.perf_counter()
+    for i in range(warmup_passes(args)):
+        asyncio.run(run_pass(workload(args, vocab, args.seed + 1 + i)))
+        reset(llm)
+    return time.perf_counter() - t
+
+
+def measure(run_pass: Pass, args: argparse.Namespace, vocab: int, llm=None) -> tuple[list[Record], dict]:
+    """The measured pass: its records and figures; with `llm` (served here), the compilations it waited for."""
+    compiled = (llm.engine.compilations, llm.engine.stats.compile_seconds) if llm is not None else None
+    work = workload(args, vocab, args.seed)
+    records, t0 = asyncio.run(run_pass(work))
+    figures = stream_figures(records, t0, work)
+    if compiled is not None:
+        figures["compilations_measured"] = llm.engine.compilations - compiled[0]
+        figures["compile_seconds_measured"] = llm.engine.stats.compile_seconds - compiled[1]
+    reset(llm)
+    return records, figures
+
+
+@contextlib.contextmanager
+def http_server(llm, model_name: str) -> Iterator[str]:
+    """jaxinfer.serve's app for `llm` on uvicorn, in a thread, on 127.0.0.1 and a free port: its URL."""
+    import uvicorn
+
+    from jaxinfer.serve import build_app, graceful_server
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    # log_config=None: uvicorn leaves this process's logging set-up alone (warnings still reach stderr)
+    server = graceful_server(uvicorn.Config(build_app(llm, model_name), log_config=None, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="bench-http", daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            if not thread.is_alive():
+                raise OSError("the HTTP server did not start")
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join()
+        sock.close()
+
+
+def run_http(args: argparse.Namespace) -> dict:
+    """--http: the workload in-process, then over HTTP to a server in this process; both ways' figures."""
+    llm, label = load(args)
+    concurrency, vocab, model = args.concurrency or args.num_requests, llm.config.vocab_size, llm.path.name
+    with http_server(llm, model) as url:
+        ways = [functools.partial(in_process_pass, llm, concurrency),
+                functools.partial(http_pass, url, model, None, concurrency)]
+        warmup = [warm_up(w, args, vocab, llm) for w in ways]  # both ways warm before either is measured
+        (local, a), (remote, h) = (measure(w, args, vocab, llm) for w in ways)
+    return {**describe(llm, label, args), "concurrency": concurrency, "seed": args.seed,
+            "warmup_passes": warmup_passes(args), "in_process": a | {"warmup_s": warmup[0]},
+            "http": h | {"warmup_s": warmup[1]},
+            "http_over_in_process": {"throughput_ratio": h["output_throughput"] / a["output_throughput"],
+                                     "ttft_median_diff_ms": h["ttft"]["median_ms"] - a["ttft"]["median_ms"],
+                                     "itl_median_diff_ms": h["itl"]["median_ms"] - a["itl"]["median_ms"]},
+            "outputs_match": all(x.texts == y.texts for x, y in zip(local, remote, strict=True))}
+
+
+def served_model(url: str, api_key: str | None) -> tuple[str, int | None]:
+    """The first model of GET /v1/models and its max_model_len (if the server tells it)."""
+    import httpx
+
+    try:
+        response = httpx.get(f"{url}/v1/models", headers=auth(api_key), timeout=30)
+        response.raise_for_status()
+    except httpx.HTTPError as e:
+        raise OSError(f"GET {url}/v1/models failed: {e}") from None
+    model = response.json()["data"][0]
+    return model["id"], model.get("max_model_len")
+
+
+def run_url(args: argparse.Namespace) -> dict:
+    """--url: the workload over HTTP to a running server."""
+    max_len, url = check_args(args), args.url.rstrip("/")
+    model, limit = served_model(url, args.api_key)
+    if limit is not None and max_len > limit:
+        raise ValueError(f"max prompt + output length {max_len} exceeds the server's max_model_len {limit}")
+    concurrency = args.concurrency or args.num_requests
+    run_pass = functools.partial(http_pass, url, model, args.api_key, concurrency)
+    warmup = warm_up(run_pass, args, args.vocab_size)
+    _, h = measure(run_pass, args, args.vocab_size)
+    return {"url": url, "label": model, **describe_workload(args), "vocab_size": args.vocab_size,
+            "concurrency": concurrency, "seed": args.seed, "warmup_passes": warmup_passes(args),
+            "http": h | {"warmup_s": warmup}}
 
 
 def readable(r: dict) -> str:
@@ -217,8 +487,48 @@ def readable(r: dict) -> str:
     return "\n".join([bar, *(f"{k:<38}{v}" for k, v in rows), "=" * len(bar)])
 
 
+def readable_http(r: dict) -> str:
+    """--http / --url: the ways side by side, and HTTP against in-process where both ran."""
+    ways = [(w, name) for w, name in (("in_process", "in-process"), ("http", "HTTP")) if w in r]
+    vs = r.get("http_over_in_process")
+
+    def row(label: str, cell: Callable[[dict], str], versus: str = "") -> str:
+        cells = "".join(f"{cell(r[w]):>22}" for w, _ in ways)
+        return f"{label:<34}{cells}{versus:>20}".rstrip()
+
+    def latency(key: str) -> Callable[[dict], str]:
+        return lambda x: f"{x[key]['median_ms']:.2f} / {x[key]['p99_ms']:.2f}"
+
+    if "url" in r:
+        head = [("Server / model", f"{r['url']} / {r['label']}")]
+    else:
+        head = [("Model", f"{r['label']} [{r['num_params'] / 1e6:.1f}M, {r['dtype']}]"),
+                ("Mesh / platform", f"{r['mesh']} / {r['platform']} ({r['attention_backend']} attention)")]
+    head += [("Requests (rate/s) / clients", f"{r['num_requests']} ({r['request_rate']}) / {r['concurrency']}"),
+             ("Prompt / output len ranges", f"{r['prompt_len_range']} / {r['output_len_range']}")]
+    lines = [f"{k:<34}{v}" for k, v in head]
+    lines.append(f"{'':<34}" + "".join(f"{name:>22}" for _, name in ways) + (f"{'HTTP/in-process':>20}" if vs else ""))
+    lines += [row("Duration (s)", lambda x: f"{x['duration_s']:.2f}"),
+              row("Output tokens", lambda x: str(x["output_tokens"])),
+              row("Request throughput (req/s)", lambda x: f"{x['request_throughput']:.2f}"),
+              row("Output token throughput (tok/s)", lambda x: f"{x['output_throughput']:.1f}",
+                  f"x{vs['throughput_ratio']:.3f}" if vs else ""),
+              row("TTFT median / p99 (ms)", latency("ttft"), f"{vs['ttft_median_diff_ms']:+.2f} ms" if vs else ""),
+              row("ITL median / p99 (ms)", latency("itl"), f"{vs['itl_median_diff_ms']:+.2f} ms" if vs else ""),
+              row("Warm-up (s)", lambda x: f"{x['warmup_s']:.1f}")]
+    if vs:
+        lines += [row("Compilations measured (stall)",
+                      lambda x: f"{x['compilations_measured']} ({x['compile_seconds_measured']:.1f} s)"),
+                  f"{'Outputs match':<34}{'yes' if r['outputs_match'] else 'NO'}"]
+    width = max(map(len, lines))
+    return "\n".join([" Serving Benchmark: HTTP load ".center(width, "="), *lines, "=" * width])
+
+
 def main(argv: list[str] | None = None) -> int:
-    return cli(parse_args(argv), run, readable)
+    args = parse_args(argv)
+    if args.http or args.url:
+        return cli(args, run_http if args.http else run_url, readable_http)
+    return cli(args, run, readable)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
+from typing import Any
 
 import jax
 import numpy as np
@@ -73,3 +75,16 @@ def shared_seed() -> int:
     if jax.process_count() > 1:
         seed = multihost_utils.broadcast_one_to_all(seed)
     return int(seed)
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Process 0's picklable `obj` on every process (others pass anything). Sizes are padded to powers of
+    two, so the broadcast compiles once per size class, not once per message."""
+    if jax.process_count() == 1:
+        return obj
+    data = np.frombuffer(pickle.dumps(obj), np.uint8) if jax.process_index() == 0 else np.zeros(0, np.uint8)
+    size = int(multihost_utils.broadcast_one_to_all(np.array(data.size, np.int32)))
+    buffer = np.zeros(max(1024, 1 << (size - 1).bit_length()), np.uint8)
+    buffer[: data.size] = data
+    buffer = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
+    return pickle.loads(buffer[:size].tobytes())

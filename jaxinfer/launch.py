@@ -1,32 +1,49 @@
-"""`python -m jaxinfer.launch`: serve one prompt (or chat turn) on a mesh and report what it cost.
+"""`python -m jaxinfer.launch`: serve one prompt (or chat turn, or a batch file) on a mesh and report what it cost.
 
     python -m jaxinfer.launch --mesh tp=8                 # embedded random-weight model, fake CPU devices
     python -m jaxinfer.launch --mesh dp=2,tp=4 --model /ckpt/Llama-3.1-8B-Instruct --prompt "Hello"
     python -m jaxinfer.launch --mesh llama-70b-8gpu --model /ckpt/Llama-3.3-70B --chat "Hi" --json
+    python -m jaxinfer.launch --model /ckpt/Qwen3-8B --input requests.jsonl --output results.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from absl import logging
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.distributed import Job
-from jaxinfer.mesh import mesh_for_cli
+from jaxinfer.mesh import MeshConfig, mesh_for_cli
 from jaxinfer.sampling import SamplingParams
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """What to serve and where: the flags the launcher and the server share."""
+    p.add_argument("--mesh", default="", help='axes, e.g. "tp=8" or "dp=2,tp=4", or a preset name/.toml path')
+    p.add_argument("--model", default=None, help="Hugging Face checkpoint directory "
+                   "(default: an embedded small random-weight Llama that jaxinfer writes itself)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    EngineConfig.add_cli_args(p)
+    multi = p.add_argument_group("multi-host (every process runs this same command; see launch/)")
+    multi.add_argument("--coordinator", default=None, help="host:port of process 0 (env JAXINFER_COORDINATOR)")
+    multi.add_argument("--num-processes", type=int, default=None, help="env JAXINFER_NUM_PROCESSES (default 1)")
+    multi.add_argument("--process-id", type=int, default=None, help="env JAXINFER_PROCESS_ID")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jaxinfer.launch", description=__doc__.split("\n")[0])
-    p.add_argument("--mesh", default="", help='axes, e.g. "tp=8" or "dp=2,tp=4", or a preset name/.toml path')
-    p.add_argument("--model", default=None, help="Hugging Face checkpoint directory "
-                   "(default: an embedded small random-weight Llama that jaxinfer writes itself)")
+    add_model_args(p)
     text = p.add_mutually_exclusive_group()
     text.add_argument("--prompt", default=None, help="raw prompt text")
     text.add_argument("--chat", default=None, help="one user message, wrapped in the checkpoint's chat template")
+    text.add_argument("--input", default=None, help="a batch file: one OpenAI batch request per line (JSONL)")
+    p.add_argument("--output", default=None, help="with --input: where to write one result line per request")
+    p.add_argument("--served-model-name", default=None,
+                   help="with --input: the model name requests may give (default: the --model path)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -35,35 +52,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    EngineConfig.add_cli_args(p)
     p.add_argument("--report-collectives", action="store_true",
                    help="print the collectives of the compiled prefill and decode steps")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    multi = p.add_argument_group("multi-host (every process runs this same command; see launch/)")
-    multi.add_argument("--coordinator", default=None, help="host:port of process 0 (env JAXINFER_COORDINATOR)")
-    multi.add_argument("--num-processes", type=int, default=None, help="env JAXINFER_NUM_PROCESSES (default 1)")
-    multi.add_argument("--process-id", type=int, default=None, help="env JAXINFER_PROCESS_ID")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if (args.input is None) != (args.output is None):
+        p.error("--input and --output go together")
+    return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:  # every flag is checked before JAX starts and before any weight is read
-        job = Job.from_flags(args.coordinator, args.num_processes, args.process_id)
-        mesh = mesh_for_cli(args.mesh, job.num_processes)
-        engine_config = EngineConfig.from_cli_args(args)
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
-                                ignore_eos=args.ignore_eos)
-        job.initialize()
-    except ValueError as e:  # MeshError too
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def prepare(args: argparse.Namespace) -> tuple[Job, MeshConfig, EngineConfig]:
+    """Check every flag before JAX starts and before any weight is read, then join the job (ValueError on a
+    bad flag, MeshError included)."""
+    job = Job.from_flags(args.coordinator, args.num_processes, args.process_id)
+    mesh = mesh_for_cli(args.mesh, job.num_processes)
+    engine_config = EngineConfig.from_cli_args(args)
+    job.initialize()
+    return job, mesh, engine_config
 
+
+def load(args: argparse.Namespace, mesh: MeshConfig, engine_config: EngineConfig):
+    """(LLM, whether its weights are the embedded random default)."""
     import jax
 
-    from jaxinfer.collectives import format_report
     from jaxinfer.llm import LLM
     from jaxinfer.random_model import default_model
 
@@ -72,8 +83,39 @@ def main(argv: list[str] | None = None) -> int:
         logging.info("no accelerator found: running on %d fake CPU devices", len(jax.devices()))
     random_weights = args.model is None
     path = default_model() if random_weights else args.model
+    return LLM(path, mesh=mesh, dtype=args.dtype, engine_config=engine_config), random_weights
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     try:
-        llm = LLM(path, mesh=mesh, dtype=args.dtype, engine_config=engine_config)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
+                                ignore_eos=args.ignore_eos)
+        job, mesh, engine_config = prepare(args)
+    except ValueError as e:  # MeshError too
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.input is not None and job.process_id == 0 and not os.path.isfile(args.input):
+        print(f"error: no batch file at {args.input}", file=sys.stderr)
+        return 2
+
+    import jax
+
+    from jaxinfer.collectives import format_report
+
+    try:
+        llm, random_weights = load(args, mesh, engine_config)
+        if args.input is not None:
+            from jaxinfer.batch_job import run_batch_file
+            name = args.served_model_name or args.model or "jaxinfer-random-small"
+            if llm.loop.leader:
+                counts = run_batch_file(llm, name, args.input, args.output)
+                print(json.dumps(counts) if args.json else
+                      f"{counts['requests']} requests: {counts['succeeded']} succeeded, {counts['failed']} failed; "
+                      f"results in {args.output}")
+            llm.close()  # multi-host: the followers served the batch with process 0 until here
+            return 0
         if args.chat is not None:
             out = llm.chat([{"role": "user", "content": args.chat}], params)[0]
         else:
@@ -81,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    llm.close()  # multi-host: process 0 releases the others' loops
     result = summary(llm, out, random_weights)
     if args.report_collectives or args.json:
         result["collectives"] = llm.collective_report()

@@ -119,6 +119,17 @@ class LLM:
         last = self.engine.runner.last
         return {step: collective_report(last[step].as_text()) for step in ("prefill", "decode") if step in last}
 
+    def close(self) -> None:
+        """Abort what is unfinished and stop the engine loop (multi-host: on every process, when process 0
+        closes; the others wait for it here). Later calls raise RuntimeError."""
+        self.loop.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def logits(self, token_id_lists: list[list[int]]) -> list[np.ndarray]:
         """Per sequence, float32 logits [T, V] of one full forward pass: the ground-truth hook for tests."""
         return self.loop.score([[int(t) for t in ids] for ids in token_id_lists])

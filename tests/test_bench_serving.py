@@ -57,3 +57,61 @@ def test_bench_serving_json(tmp_path, capsys):
         assert rows[f"{label} mean/median/p99 (ms)"] == f"{x['mean_ms']:.1f} / {x['median_ms']:.1f} / {x['p99_ms']:.1f}"
     assert rows["KV util paged / contiguous"].startswith(
         f"{r['kv_utilisation_paged']:.1%} / {r['kv_utilisation_contiguous']:.1%}")
+
+
+def test_bench_serving_http_matches_in_process(tmp_path, capsys, monkeypatch):
+    """--http: the same workload in-process and over HTTP; every token arrives both ways, in order."""
+    from jaxinfer.tokenizer import IncrementalDetokenizer
+
+    class IdText(IncrementalDetokenizer):
+        """Each token's text is "<id>", so the texts a client receives name the token ids."""
+
+        def add(self, token_id: int) -> str:
+            super().add(token_id)
+            return f"<{token_id}>"
+
+        def finish(self) -> str:
+            super().finish()
+            return ""
+
+    records = []  # (records, figures) of each measured pass: in-process, then HTTP
+
+    def spy(*args, **kwargs):
+        records.append(measure(*args, **kwargs))
+        return records[-1]
+
+    measure = bench_serving.measure
+    monkeypatch.setattr("jaxinfer.engine.IncrementalDetokenizer", IdText)
+    monkeypatch.setattr(bench_serving, "measure", spy)
+    path = write_random_checkpoint(tmp_path / "tiny", TINY)
+    argv = ["--model", str(path), "--http", "--num-requests", "5", "--concurrency", "3", "--prompt-len-range", "4",
+            "24", "--output-len-range", "2", "8", "--dtype", "float32", "--seed", "1", "--json"]
+    assert bench_serving.main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+
+    args = bench_serving.parse_args(argv)
+    lengths = [n for _, _, n in bench_serving.workload(args, TINY["vocab_size"], args.seed)]
+    assert r["concurrency"] == 3 and r["outputs_match"] is True
+    for way in ("in_process", "http"):
+        x = r[way]
+        assert x["output_tokens"] == sum(lengths) and x["exact_output_lengths"] is True, way
+        assert x["duration_s"] > 0 and x["output_throughput"] > 0 and x["request_throughput"] > 0, way
+        for key in ("ttft", "itl"):
+            assert all(math.isfinite(v) and v >= 0 for v in x[key].values()), (way, key)
+            assert x[key]["p99_ms"] >= x[key]["median_ms"], (way, key)
+    vs = r["http_over_in_process"]
+    assert vs["throughput_ratio"] == r["http"]["output_throughput"] / r["in_process"]["output_throughput"]
+    assert vs["ttft_median_diff_ms"] == r["http"]["ttft"]["median_ms"] - r["in_process"]["ttft"]["median_ms"]
+
+    (local, _), (remote, _) = records
+    ids = [[[int(t[1:-1]) for t in rec.texts] for rec in way] for way in (local, remote)]
+    assert [len(i) for i in ids[0]] == lengths
+    assert ids[1] == ids[0]  # the greedy tokens received over HTTP are those streamed in-process
+    assert all(rec.times[0] - rec.sent > 0 for way in (local, remote) for rec in way)  # every TTFT
+
+    lines = bench_serving.readable_http(r).splitlines()
+    rows = {line[:34].strip(): line[34:].split() for line in lines[1:-1]}
+    assert rows[""] == ["in-process", "HTTP", "HTTP/in-process"]
+    assert rows["Output tokens"] == [str(sum(lengths))] * 2
+    assert rows["Output token throughput (tok/s)"][2] == f"x{vs['throughput_ratio']:.3f}"
+    assert rows["Outputs match"] == ["yes"]

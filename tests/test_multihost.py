@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
@@ -33,3 +34,34 @@ def test_two_processes_equal_one(tmp_path, hf_tiny, mesh):
     assert result["output_token_ids"] == alone.token_ids
     assert result["output_text"] == alone.text
     assert result["collectives"]["decode"] == llm.collective_report()["decode"]
+
+
+def test_a_batch_file_on_two_processes_equals_one(tmp_path, hf_tiny):
+    """Process 0 reads the file and broadcasts each turn's requests; the other process follows its loop."""
+    from jaxinfer.batch_job import run_batch_file
+
+    llama, mesh = hf_tiny / "llama", "dp=2,tp=2"
+    rng = np.random.default_rng(1)
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": rng.integers(4, 384, size=int(n)).tolist(), "max_tokens": int(m),
+                       "temperature": 0.8, "seed": i, "ignore_eos": True}}
+             for i, (n, m) in enumerate(zip(rng.integers(1, 60, size=6), rng.integers(1, 12, size=6), strict=True))]
+    src = tmp_path / "requests.jsonl"
+    src.write_text("\n".join(map(json.dumps, lines)) + "\n{bad line\n")
+    flags = ["--mesh", mesh, "--model", str(llama), "--dtype", "float32", "--input", str(src),
+             "--output", str(tmp_path / "two.jsonl"), "--json"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(PYTHON=sys.executable, JAX_PLATFORMS="cpu", JAXINFER_LOG_DIR=str(tmp_path))
+    r = subprocess.run(["bash", str(REPO / "launch" / "local.sh"), "2", *flags], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"requests": 7, "succeeded": 6, "failed": 1}
+
+    run_batch_file(LLM(llama, mesh=mesh, dtype="float32"), str(llama), src, tmp_path / "one.jsonl")
+
+    def texts(name: str) -> list:
+        rows = [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+        return [(x["custom_id"], x["response"] and x["response"]["body"]["choices"][0]["text"]) for x in rows]
+
+    assert texts("two.jsonl") == texts("one.jsonl")
+    assert len(texts("one.jsonl")) == 7 and all(t for _, t in texts("one.jsonl")[:6])

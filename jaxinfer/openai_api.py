@@ -1,0 +1,430 @@
+"""The OpenAI API on the engine, without HTTP: request bodies in, response bodies (or server-sent event
+chunks) out. The server (jaxinfer.serve) and batch jobs (jaxinfer.batch_job) both call `OpenAIServing`.
+
+Requests are checked by pydantic models, then by SamplingParams and the engine's prompt check; every bad
+value raises `APIError` with the status and the OpenAI error body a client expects (400, never a 500).
+Log-probabilities are vLLM's: those of the distribution each token was drawn from, after temperature and
+the top-k/top-p/min-p filters (a filtered-out token has -inf); the model's own for greedy decoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from jaxinfer.engine import Completion, RequestError
+from jaxinfer.engine_loop import RequestStream
+from jaxinfer.llm import LLM
+from jaxinfer.sampling import SEED_LIMIT, SamplingParams
+from jaxinfer.tokenizer import TokenizerError
+
+MAX_N = 64  # choices one request may ask for
+
+
+class APIError(Exception):
+    """A request the server refuses: the HTTP status and the OpenAI error body."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    @property
+    def type(self) -> str:
+        return {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}.get(
+            self.status, "internal_server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+    @classmethod
+    def of_validation(cls, e: ValidationError | Any) -> APIError:
+        """pydantic's (or FastAPI's) validation errors, as one readable message naming the fields."""
+        errors = e.errors()
+        if errors and errors[0]["type"] == "json_invalid":
+            return cls(f"the body is not valid JSON: {errors[0].get('ctx', {}).get('error', 'decode error')}")
+        parts = [f"{'.'.join(str(x) for x in err['loc'] if x != 'body') or 'body'}: {err['msg']}" for err in errors]
+        param = ".".join(str(x) for x in errors[0]["loc"] if x != "body") if errors else None
+        return cls("invalid request: " + "; ".join(parts), 400, param or None)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields both endpoints share (OpenAI's, and vLLM's extensions top_k, min_p, ignore_eos...)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max: int) -> SamplingParams:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0):
+                raise APIError(f"{name} is not supported by this server", param=name)
+        if self.repetition_penalty not in (None, 1):
+            raise APIError("repetition_penalty is not supported by this server", param="repetition_penalty")
+        if self.logit_bias:
+            raise APIError("logit_bias is not supported by this server", param="logit_bias")
+        if self.best_of not in (None, self.n):
+            raise APIError("best_of other than n is not supported by this server", param="best_of")
+        if not 1 <= self.n <= MAX_N:
+            raise APIError(f"n={self.n} must be an integer in [1, {MAX_N}]", param="n")
+        fields = dict(max_tokens=default_max if max_tokens is None else max_tokens,
+                      temperature=1.0 if self.temperature is None else self.temperature,
+                      top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+                      min_p=self.min_p or 0.0, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                      ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
+                      logprobs=logprobs)
+        try:
+            return SamplingParams(**fields)
+        except ValueError as e:
+            name = str(e).split("=")[0]
+            raise APIError(str(e), param=name if name in fields else None) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse(model: type[BaseModel], body: Any) -> Any:
+    """A request model from a decoded JSON body, or APIError(400)."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise APIError.of_validation(e) from None
+
+
+class OpenAIServing:
+    """Completions, chat completions, models and tokenization of one LLM, as OpenAI (and vLLM) shape them."""
+
+    def __init__(self, llm: LLM, model_name: str):
+        self.llm, self.model_name = llm, model_name
+        self.created = int(time.time())
+
+    # ---- small endpoints -------------------------------------------------------------------------
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "jaxinfer", "root": str(self.llm.path),
+                                            "max_model_len": self.llm.config.context_length}]}
+
+    def tokenize(self, req: TokenizeRequest) -> dict:
+        self._check_model(req.model)
+        tok = self._tokenizer()
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError("give exactly one of prompt and messages")
+        try:
+            ids = (tok.encode(req.prompt, add_bos=None if req.add_special_tokens else False)
+                   if req.prompt is not None else self._chat_ids(req.messages, req.add_generation_prompt, None))
+        except TokenizerError as e:
+            raise APIError(str(e)) from None
+        return {"count": len(ids), "max_model_len": self.llm.config.context_length, "tokens": ids}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict:
+        self._check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < self.llm.config.vocab_size]
+        if bad:
+            raise APIError(f"token ids {bad[:5]} are outside the vocabulary of {self.llm.config.vocab_size}",
+                           param="tokens")
+        return {"prompt": self._tokenizer().decode(req.tokens)}
+
+    # ---- generation ------------------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
+        """The response body, or (stream=True) an iterator of server-sent event lines."""
+        self._check_model(req.model)
+        if req.suffix:
+            raise APIError("suffix is not supported by this server", param="suffix")
+        if req.echo and req.logprobs is not None:
+            raise APIError("echo with logprobs (prompt log-probabilities) is not supported", param="echo")
+        prompts = self._prompts(req.prompt)
+        params = req.sampling_params(req.max_tokens, req.logprobs, default_max=16)
+        self._check_lengths(prompts, req.max_tokens)
+        echo = [self._tokenizer().decode(p) if req.echo else "" for p in prompts]
+        streams = self._submit(prompts, params, req.n)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def head(choices: list[dict]) -> dict:
+            return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                    "choices": choices}
+
+        def choice(i: int, text: str, token_ids: list[int], logprobs: list[dict] | None, finish: str | None):
+            lp = None if req.logprobs is None else self._completion_logprobs(token_ids, logprobs, req.logprobs)
+            return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish, "stop_reason": None}
+
+        if not req.stream:
+            done = await _results(streams)
+            choices = [choice(i, echo[i // req.n] + c.text, c.token_ids, c.logprobs, c.finish_reason)
+                       for i, c in enumerate(done)]
+            return head(choices) | {"usage": _usage(prompts, done)}
+
+        async def events() -> AsyncIterator[str]:
+            async for i, token, delta, finished in _merged(streams):
+                s = streams[i]
+                if token is None:
+                    yield _sse(head([choice(i, "", [], [], finished.finish_reason)]))
+                    continue
+                text = (echo[i // req.n] if len(s.seen) == 1 else "") + delta
+                yield _sse(head([choice(i, text, [token], s.logprobs[len(s.seen) - 1:len(s.seen)], None)]))
+            if req.include_usage:
+                yield _sse(head([]) | {"usage": _usage(prompts, [s.completion for s in streams])})
+            yield "data: [DONE]\n\n"
+        return events()
+
+    async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
+        self._check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        prompt = self._chat_ids(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = req.sampling_params(max_tokens, logprobs, default_max=self.llm.config.context_length)
+        self._check_lengths([prompt], max_tokens)
+        streams = self._submit([prompt], params, req.n)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def head(kind: str, choices: list[dict]) -> dict:
+            return {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": choices}
+
+        def lp(token_ids: list[int], logprobs: list[dict] | None) -> dict | None:
+            return None if logprobs is None else self._chat_logprobs(token_ids, logprobs, req.top_logprobs or 0)
+
+        if not req.stream:
+            done = await _results(streams)
+            choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": lp(c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
+                        "stop_reason": None} for i, c in enumerate(done)]
+            return head("chat.completion", choices) | {"usage": _usage([prompt], done)}
+
+        async def events() -> AsyncIterator[str]:
+            chunk = "chat.completion.chunk"
+            for i in range(len(streams)):
+                yield _sse(head(chunk, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}]))
+            async for i, token, delta, finished in _merged(streams):
+                s = streams[i]
+                if token is None:
+                    yield _sse(head(chunk, [{"index": i, "delta": {}, "logprobs": None,
+                                             "finish_reason": finished.finish_reason}]))
+                    continue
+                entries = s.logprobs[len(s.seen) - 1:len(s.seen)] if logprobs is not None else None
+                yield _sse(head(chunk, [{"index": i, "delta": {"content": delta},
+                                         "logprobs": lp([token], entries), "finish_reason": None}]))
+            if req.include_usage:
+                yield _sse(head(chunk, []) | {"usage": _usage([prompt], [s.completion for s in streams])})
+            yield "data: [DONE]\n\n"
+        return events()
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(f"the model `{model}` does not exist; this server serves `{self.model_name}`",
+                           param="model", code="model_not_found")
+
+    def _tokenizer(self):
+        if self.llm.tokenizer is None:
+            raise APIError(f"{self.llm.path} has no tokenizer.json: send prompts as token ids")
+        return self.llm.tokenizer
+
+    def _prompts(self, prompt: str | list) -> list[list[int]]:
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError("prompt is empty", param="prompt")
+        try:
+            return [self._tokenizer().encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        except TokenizerError as e:
+            raise APIError(str(e), param="prompt") from None
+
+    def _chat_ids(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict | None) -> list[int]:
+        tok, messages = self._tokenizer(), [_flatten(m) for m in messages]
+        try:
+            return tok.chat_ids(messages, add_generation_prompt=add_generation_prompt, **(kwargs or {}))
+        except (TokenizerError, TypeError) as e:
+            raise APIError(str(e), param="messages") from None
+        except Exception as e:  # noqa: BLE001 - a template that fails on these messages is the request's fault
+            raise APIError(f"the chat template failed on these messages: {e}", param="messages") from None
+
+    def _check_lengths(self, prompts: list[list[int]], max_tokens: int | None) -> None:
+        limit = self.llm.config.context_length
+        for p in prompts:
+            try:
+                self.llm.engine.check_prompt(p)
+            except RequestError as e:
+                raise APIError(str(e), param="prompt") from None
+            if max_tokens is not None and max_tokens > 0 and len(p) + max_tokens > limit:
+                raise APIError(f"this model's maximum context length is {limit} tokens; the request asks for "
+                               f"{len(p) + max_tokens} ({len(p)} in the prompt, {max_tokens} in the completion)",
+                               param="max_tokens")
+
+    def _submit(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[_Choice]:
+        """n choices per prompt (prompt-major). With a seed, choice i is drawn with seed + i, as in vLLM."""
+        each = [params if params.seed is None else dataclasses.replace(params, seed=(params.seed + i) % SEED_LIMIT)
+                for i in range(n)]
+        try:
+            streams = self.llm.loop.submit_all([p for p in prompts for _ in range(n)], each * len(prompts),
+                                               asynchronous=True)
+        except RequestError as e:
+            raise APIError(str(e)) from None
+        return [_Choice(s) for s in streams]
+
+    def _token_text(self, token: int) -> str:
+        return self.llm.tokenizer.decode([token], skip_special_tokens=False) if self.llm.tokenizer else str(token)
+
+    def _top(self, entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+        return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+
+    def _completion_logprobs(self, token_ids: list[int], entries: list[dict], k: int) -> dict:
+        texts = [self._token_text(t) for t in token_ids]
+        offsets = [sum(map(len, texts[:i])) for i in range(len(texts))]
+        return {"tokens": texts, "token_logprobs": [_finite(e[t]) for t, e in zip(token_ids, entries, strict=True)],
+                "top_logprobs": [{self._token_text(i): _finite(v) for i, v in self._top(e, k)} for e in entries],
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, token_ids: list[int], entries: list[dict], k: int) -> dict:
+        def item(t: int, v: float) -> dict:
+            text = self._token_text(t)
+            return {"token": text, "logprob": _finite(v), "bytes": list(text.encode())}
+
+        return {"content": [item(t, e[t]) | {"top_logprobs": [item(i, v) for i, v in self._top(e, k)]}
+                            for t, e in zip(token_ids, entries, strict=True)]}
+
+
+class _Choice:
+    """A stream and the tokens of it seen so far."""
+
+    def __init__(self, stream: RequestStream):
+        self.stream, self.seen = stream, []
+
+    @property
+    def logprobs(self) -> list[dict]:
+        return self.stream.logprobs
+
+    @property
+    def completion(self) -> Completion | None:
+        return self.stream.completion
+
+
+async def _results(choices: list[_Choice]) -> list[Completion]:
+    """Every choice's Completion; cancelled (a client gone), every unfinished one is aborted."""
+    tasks = [asyncio.ensure_future(c.stream.aresult()) for c in choices]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _merged(choices: list[_Choice]) -> AsyncIterator[tuple[int, int | None, str, Completion | None]]:
+    """(choice, token, delta, None) as each token of any choice comes, and (choice, None, "", Completion)
+    when one ends. Leaving early aborts every unfinished choice."""
+    events: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, c: _Choice) -> None:
+        try:
+            async for token, delta in c.stream:
+                await events.put((i, token, delta))
+            await events.put((i, None, ""))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            await events.put((i, e, ""))
+
+    tasks = [asyncio.ensure_future(pump(i, c)) for i, c in enumerate(choices)]
+    try:
+        for _ in range(len(choices)):
+            while True:
+                i, token, delta = await events.get()
+                if isinstance(token, BaseException):
+                    raise token
+                if token is None:
+                    yield i, None, "", choices[i].completion
+                    break
+                choices[i].seen.append(token)
+                yield i, token, delta, None
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _usage(prompts: list[list[int]], done: list[Completion]) -> dict:
+    prompt_tokens, completion_tokens = sum(map(len, prompts)), sum(len(c.token_ids) for c in done)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _finite(v: float) -> float:
+    """JSON has no -inf: a filtered-out token is reported as -9999.0, as vLLM does."""
+    return max(float(v), -9999.0)
+
+
+def _flatten(message: dict) -> dict:
+    """A chat message whose content is a list of text parts, as one string (other parts are refused)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise APIError("only text content parts are supported", param="messages")
+            texts.append(part.get("text", ""))
+        message = {**message, "content": "".join(texts)}
+    if "role" not in message:
+        raise APIError("every message needs a role", param="messages")
+    return message
+
