@@ -38,19 +38,20 @@ HTTP load (--http, --url): what the HTTP layer costs. --http loads the model as 
 OpenAI-compatible server (jaxinfer.serve.build_app on uvicorn, in a thread of this process, on 127.0.0.1 and a
 free port), and serves the same workload (same prompts as token ids, output lengths and arrivals; greedy,
 ignore_eos, max_tokens = the drawn length) two ways, each with --concurrency streaming clients (default: one
-per request), asyncio tasks of this process: in-process, each client reads the token stream of
-llm.loop.submit; over HTTP, each POSTs /v1/completions with the prompt ids and "stream": true (one
-httpx.AsyncClient per pass, so connecting counts) and reads the server-sent events, one token per chunk
-whose choice has no finish_reason. Each way gets its own warm-up pass(es) with other tokens, as above, both
-before either is measured, and the prefix cache is emptied after every pass. Clients submit one by one
-while the engine runs, so batches depend on the clock even at --request-rate inf: compilations_measured
-and compile_seconds_measured show any bucket still new, and the stall it added to the latencies.
+per request), asyncio tasks: in-process, of this process, each reading the token stream of
+llm.loop.submit; over HTTP, of a second process (as real clients are remote: their JSON parsing does not
+hold the server's GIL, though on a small machine it shares the cores), each POSTing /v1/completions with
+the prompt ids and "stream": true (one httpx.AsyncClient per pass, so connecting counts) and reading the
+server-sent events, one token per chunk whose choice has no finish_reason. Each way gets its own warm-up
+pass(es) with other tokens, as above, both before either is measured, and the prefix cache is emptied
+after every pass. Clients submit one by one while the engine runs, so batches depend on the clock even
+at --request-rate inf: compilations_measured and compile_seconds_measured show any bucket still new, and
+the stall it added to the latencies.
 --url drives a running server instead (the first model of its GET /v1/models; --api-key if it needs one):
 HTTP figures only; its prefix cache cannot be emptied (random prompts share no pages anyway), and prompt
 ids are drawn below --vocab-size (default 256, which any real vocabulary covers: the API does not tell a
 model's vocabulary size).
-Figures, per way (what a client sees, so they include the client's own time; with --http the client,
-the server and the engine share this process and its GIL):
+Figures, per way (what a client sees, so they include the client's own time):
 - a request's arrival is when its client sends it: its scheduled time, or later if all clients are busy;
   each token's time is when the client receives it.
 - duration_s: first arrival (t=0) to the last token received; request / output throughput = requests /
@@ -70,12 +71,14 @@ import dataclasses
 import functools
 import json
 import math
+import multiprocessing
 import socket
 import sys
 import threading
 import time
 import timeit
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
@@ -415,13 +418,25 @@ def http_server(llm, model_name: str) -> Iterator[str]:
         sock.close()
 
 
+def _http_pass_here(*args) -> tuple[list[Record], float]:
+    return asyncio.run(http_pass(*args))
+
+
+async def http_pass_elsewhere(clients: ProcessPoolExecutor, *args) -> tuple[list[Record], float]:
+    """http_pass in the `clients` process, so the clients' own JSON parsing does not take the server's GIL
+    (perf_counter is the system's monotonic clock: its times compare across processes)."""
+    return await asyncio.get_running_loop().run_in_executor(clients, _http_pass_here, *args)
+
+
 def run_http(args: argparse.Namespace) -> dict:
-    """--http: the workload in-process, then over HTTP to a server in this process; both ways' figures."""
+    """--http: the workload in-process, then over HTTP to a server in this process (the HTTP clients in
+    another process, as real clients are); both ways' figures."""
     llm, label = load(args)
     concurrency, vocab, model = args.concurrency or args.num_requests, llm.config.vocab_size, llm.path.name
-    with http_server(llm, model) as url:
+    spawn = multiprocessing.get_context("spawn")  # never fork a process that runs JAX
+    with http_server(llm, model) as url, ProcessPoolExecutor(1, mp_context=spawn) as clients:
         ways = [functools.partial(in_process_pass, llm, concurrency),
-                functools.partial(http_pass, url, model, None, concurrency)]
+                functools.partial(http_pass_elsewhere, clients, url, model, None, concurrency)]
         warmup = [warm_up(w, args, vocab, llm) for w in ways]  # both ways warm before either is measured
         (local, a), (remote, h) = (measure(w, args, vocab, llm) for w in ways)
     return {**describe(llm, label, args), "concurrency": concurrency, "seed": args.seed,

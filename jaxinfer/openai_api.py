@@ -127,6 +127,8 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(BaseModel):
@@ -227,6 +229,11 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         self._check_model(req.model)
+        if req.tools:
+            raise APIError("tools (function calling) are not supported by this server", param="tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise APIError("response_format other than text is not supported by this server",
+                           param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         prompt = self._chat_ids(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
@@ -421,7 +428,7 @@ def _flatten(message: dict) -> dict:
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text":
-                raise APIError("only text content parts are supported", param="messages")
+                raise APIError("content parts other than text are not supported by this server", param="messages")
             texts.append(part.get("text", ""))
         message = {**message, "content": "".join(texts)}
     if "role" not in message:

@@ -84,6 +84,7 @@ class SamplingArrays:
     min_p: jax.Array        # float32 [B]
     seed: jax.Array         # uint32 [B]
     all_greedy: jax.Array   # bool [], known on the host: lets the sampler skip the sort without a collective
+    filtered: jax.Array     # bool []: a sampled row has top-k, top-p or min-p on (else no row needs the sort)
     top_logprobs: int = struct.field(pytree_node=False, default=0)  # alternatives computed per row: 0 or MAX
 
     @classmethod
@@ -91,13 +92,13 @@ class SamplingArrays:
         pad = batch - len(params)
         col = lambda f, dt, fill: np.array([f(p) for p in params] + [fill] * pad, dt)  # noqa: E731
         temperature = col(lambda p: p.temperature, np.float32, 0.0)
-        return cls(temperature=temperature,
-                   top_k=col(lambda p: max(p.top_k, 0), np.int32, 0),
-                   top_p=col(lambda p: p.top_p, np.float32, 1.0),
-                   min_p=col(lambda p: p.min_p, np.float32, 0.0),
+        top_k, top_p = col(lambda p: max(p.top_k, 0), np.int32, 0), col(lambda p: p.top_p, np.float32, 1.0)
+        min_p = col(lambda p: p.min_p, np.float32, 0.0)
+        sampled = temperature >= np.float32(GREEDY_BELOW)  # in float32, as the device compares
+        return cls(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                    seed=np.array(list(seeds) + [0] * pad, np.uint32),
-                   # in float32, as the device compares, so host and device agree on which rows are greedy
-                   all_greedy=np.array(bool((temperature < np.float32(GREEDY_BELOW)).all())),
+                   all_greedy=np.array(not sampled.any()),
+                   filtered=np.array(bool((sampled & ((top_k > 0) | (top_p < 1) | (min_p > 0))).any())),
                    top_logprobs=MAX_LOGPROBS if any(p.logprobs for p in params) else 0)
 
 
@@ -110,8 +111,11 @@ def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array) -> tuple[
     and the filters (a filtered token has -inf), the model's own for a greedy row.
     """
     greedy_rows = (s.temperature < GREEDY_BELOW)[:, None]
-    # The vocabulary sort of the filters costs more than the argmax by far: skip it when every row is greedy.
-    x = jax.lax.cond(s.all_greedy, lambda: logits, lambda: jnp.where(greedy_rows, logits, filter_logits(logits, s)))
+    # The vocabulary sort of the filters costs more than the argmax by far: skip it when every row is greedy,
+    # and when no sampled row has a filter on (then filtering is a division by the temperature).
+    scaled = lambda: logits / jnp.where(greedy_rows, 1.0, s.temperature[:, None])  # noqa: E731
+    x = jax.lax.cond(s.all_greedy, lambda: logits, lambda: jnp.where(
+        greedy_rows, logits, jax.lax.cond(s.filtered, lambda: filter_logits(logits, s), scaled)))
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     tokens = jax.lax.cond(s.all_greedy, lambda: greedy,
                           lambda: jnp.where(greedy_rows[:, 0], greedy, _draw(x, s, positions)))

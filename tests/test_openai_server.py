@@ -238,6 +238,13 @@ def test_malformed_json_and_a_wrong_key(client, url):
         wrong.models.list()
     assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
     assert [m.id for m in client.models.list().data] == [NAME]
+    hi = [{"role": "user", "content": "Hi"}]
+    for extra, param in [({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                         ({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=NAME, messages=hi, max_tokens=2, extra_body=extra)
+        assert e.value.body["param"] == param and "not supported" in e.value.body["message"]
 
 
 def test_models_health_version_tokenize_detokenize(llm, url):

@@ -242,3 +242,21 @@ def test_sample_runs_eagerly():
     out, logprobs = _sample(x, s, jnp.arange(3))
     assert out.dtype == jnp.int32 and all(int(o) in k for o, k in zip(out, [{1, 2}, {0, 1}, {0, 1}], strict=True))
     assert logprobs.shape == (3, 1) and bool(jnp.isfinite(logprobs).all())   # the drawn tokens: finite
+
+
+def test_temperature_without_filters_skips_the_sort_and_draws_the_same_tokens():
+    """With no top-k, top-p or min-p on any sampled row the sampler only divides by the temperature; the
+    tokens and log-probabilities are those the sorting path gives for the same seeds."""
+    logits = jax.random.normal(jax.random.key(0), (32, 384)) * 3
+    params = [SamplingParams(temperature=t) for t in (0.3, 0.7, 1.0, 1.6)] * 7 + [SamplingParams(temperature=0)] * 4
+    s = SamplingArrays.from_params(params, 32, list(range(100, 132)))
+    assert not bool(s.filtered) and not bool(s.all_greedy)
+    sorted_path = s.replace(filtered=np.array(True))
+    for step in range(3):
+        positions = jnp.arange(32) + 7 * step
+        fast, slow = sample(logits, s, positions), sample(logits, sorted_path, positions)
+        np.testing.assert_array_equal(fast[0], slow[0])
+        np.testing.assert_allclose(fast[1], slow[1], rtol=1e-6, atol=1e-6)
+    assert bool(SamplingArrays.from_params(params[:1] + [SamplingParams(temperature=0.5, top_p=0.9)], 2,
+                                           [1, 2]).filtered)
+    assert not bool(SamplingArrays.from_params([SamplingParams(temperature=0, top_k=5)], 2, [1]).filtered)
