@@ -27,6 +27,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Hugging Face checkpoint directory "
                    "(default: an embedded small random-weight Llama that jaxinfer writes itself)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--served-model-name", default=None, help="the model name OpenAI requests give "
+                   "(server, batch files; default: the --model path, or jaxinfer-random-small)")
     EngineConfig.add_cli_args(p)
     multi = p.add_argument_group("multi-host (every process runs this same command; see launch/)")
     multi.add_argument("--coordinator", default=None, help="host:port of process 0 (env JAXINFER_COORDINATOR)")
@@ -42,8 +44,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     text.add_argument("--chat", default=None, help="one user message, wrapped in the checkpoint's chat template")
     text.add_argument("--input", default=None, help="a batch file: one OpenAI batch request per line (JSONL)")
     p.add_argument("--output", default=None, help="with --input: where to write one result line per request")
-    p.add_argument("--served-model-name", default=None,
-                   help="with --input: the model name requests may give (default: the --model path)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -69,6 +69,11 @@ def prepare(args: argparse.Namespace) -> tuple[Job, MeshConfig, EngineConfig]:
     engine_config = EngineConfig.from_cli_args(args)
     job.initialize()
     return job, mesh, engine_config
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    """The name requests give for the model: --served-model-name, else the --model path, else the default's."""
+    return args.served_model_name or args.model or "jaxinfer-random-small"
 
 
 def load(args: argparse.Namespace, mesh: MeshConfig, engine_config: EngineConfig):
@@ -108,9 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         llm, random_weights = load(args, mesh, engine_config)
         if args.input is not None:
             from jaxinfer.batch_job import run_batch_file
-            name = args.served_model_name or args.model or "jaxinfer-random-small"
             if llm.loop.leader:
-                counts = run_batch_file(llm, name, args.input, args.output)
+                counts = run_batch_file(llm, served_model_name(args), args.input, args.output)
                 print(json.dumps(counts) if args.json else
                       f"{counts['requests']} requests: {counts['succeeded']} succeeded, {counts['failed']} failed; "
                       f"results in {args.output}")

@@ -218,12 +218,12 @@ class OpenAIServing:
             async for i, token, delta, finished in _merged(streams):
                 s = streams[i]
                 if token is None:
-                    yield _sse(head([choice(i, "", [], [], finished.finish_reason)]))
+                    yield sse(head([choice(i, "", [], [], finished.finish_reason)]))
                     continue
-                text = (echo[i // req.n] if len(s.seen) == 1 else "") + delta
-                yield _sse(head([choice(i, text, [token], s.logprobs[len(s.seen) - 1:len(s.seen)], None)]))
+                text = (echo[i // req.n] if s.seen == 1 else "") + delta
+                yield sse(head([choice(i, text, [token], s.logprobs[s.seen - 1:s.seen], None)]))
             if req.include_usage:
-                yield _sse(head([]) | {"usage": _usage(prompts, [s.completion for s in streams])})
+                yield sse(head([]) | {"usage": _usage(prompts, [s.completion for s in streams])})
             yield "data: [DONE]\n\n"
         return events()
 
@@ -260,19 +260,19 @@ class OpenAIServing:
         async def events() -> AsyncIterator[str]:
             chunk = "chat.completion.chunk"
             for i in range(len(streams)):
-                yield _sse(head(chunk, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                yield sse(head(chunk, [{"index": i, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}]))
             async for i, token, delta, finished in _merged(streams):
                 s = streams[i]
                 if token is None:
-                    yield _sse(head(chunk, [{"index": i, "delta": {}, "logprobs": None,
+                    yield sse(head(chunk, [{"index": i, "delta": {}, "logprobs": None,
                                              "finish_reason": finished.finish_reason}]))
                     continue
-                entries = s.logprobs[len(s.seen) - 1:len(s.seen)] if logprobs is not None else None
-                yield _sse(head(chunk, [{"index": i, "delta": {"content": delta},
+                entries = s.logprobs[s.seen - 1:s.seen] if logprobs is not None else None
+                yield sse(head(chunk, [{"index": i, "delta": {"content": delta},
                                          "logprobs": lp([token], entries), "finish_reason": None}]))
             if req.include_usage:
-                yield _sse(head(chunk, []) | {"usage": _usage([prompt], [s.completion for s in streams])})
+                yield sse(head(chunk, []) | {"usage": _usage([prompt], [s.completion for s in streams])})
             yield "data: [DONE]\n\n"
         return events()
 
@@ -352,10 +352,10 @@ class OpenAIServing:
 
 
 class _Choice:
-    """A stream and the tokens of it seen so far."""
+    """A stream and how many of its tokens the response has carried so far."""
 
     def __init__(self, stream: RequestStream):
-        self.stream, self.seen = stream, []
+        self.stream, self.seen = stream, 0
 
     @property
     def logprobs(self) -> list[dict]:
@@ -399,7 +399,7 @@ async def _merged(choices: list[_Choice]) -> AsyncIterator[tuple[int, int | None
                 if token is None:
                     yield i, None, "", choices[i].completion
                     break
-                choices[i].seen.append(token)
+                choices[i].seen += 1
                 yield i, token, delta, None
     finally:
         for t in tasks:
@@ -412,7 +412,8 @@ def _usage(prompts: list[list[int]], done: list[Completion]) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _sse(obj: dict) -> str:
+def sse(obj: dict) -> str:
+    """One server-sent event carrying `obj` as compact JSON."""
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 

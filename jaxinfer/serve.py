@@ -20,7 +20,7 @@ import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable
 
-from jaxinfer.launch import add_model_args, prepare
+from jaxinfer.launch import add_model_args, prepare, served_model_name
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -30,8 +30,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("JAXINFER_API_KEY"),
                    help="required as a Bearer token when set (env JAXINFER_API_KEY)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the --model path, or jaxinfer-random-small)")
     p.add_argument("--grace-period", type=float, default=30.0,
                    help="seconds requests in flight may finish after SIGTERM before they are aborted")
     return p.parse_args(argv)
@@ -145,12 +143,12 @@ async def _until_disconnected(request, work: Awaitable):
 
 async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
     """A failure after the stream has started cannot change the status: it becomes an error event."""
-    from jaxinfer.openai_api import APIError, _sse
+    from jaxinfer.openai_api import APIError, sse
     try:
         async for event in events:
             yield event
     except Exception as e:  # noqa: BLE001 - reported to the client, the server goes on
-        yield _sse(APIError(f"generation failed: {e}", 500).body())
+        yield sse(APIError(f"generation failed: {e}", 500).body())
         yield "data: [DONE]\n\n"
 
 
@@ -194,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     if not llm.loop.leader:  # multi-host: process 0 takes the requests, this process follows its loop
         llm.loop.follow()
         return 0
-    name = args.served_model_name or (args.model or "jaxinfer-random-small")
+    name = served_model_name(args)
     config = uvicorn.Config(build_app(llm, name, args.api_key), host=args.host, port=args.port,
                             timeout_graceful_shutdown=args.grace_period, log_level="info")
     graceful_server(config).run()
