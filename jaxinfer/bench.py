@@ -19,6 +19,10 @@ Why each number is what it is:
   W + K is what a decode step must read, not exactly what this implementation moves: W counts the whole
   embedding table although a step gathers only `batch` rows of it (fewer bytes), while attention and the
   reads every page of the page-table bucket (a power of two), not just the context (more bytes).
+- Step time, per step of the measured run (prefill and decode steps together): host work (schedule,
+  pack, transfer = placing the inputs on the devices, fetch = the sampled tokens back, update = handing
+  the tokens out: stop checks, detokenizing, streams) and device = dispatch until the step's outputs are
+  ready. The loop is synchronous, so device idle = host / (host + device) of the steps' wall time.
 - OPENBLAS: this module sets no OPENBLAS_*/OMP_* variables (nor any other thread setting); numpy's copy
   does not use BLAS and changing them would change how numpy and XLA:CPU share the cores. Set them
   outside the process if wanted; the output then reflects that setting.
@@ -162,7 +166,13 @@ def bench_batch(llm, batch: int, prompt_len: int, max_tokens: int, seed: int, ba
         "mbu": (w + k) * steps_per_s / GB / bandwidth,
         "collectives": report,
         "moe": moe_figures(llm, steps, load_before) if llm.config.num_experts else None,
+        "step_ms": {part: 1e3 * getattr(s, f"{part}_seconds") / max(s.steps, 1) for part in STEP_PARTS},
+        "host_ms_per_step": 1e3 * s.host_seconds / max(s.steps, 1),
+        "device_idle": s.device_idle,
     }
+
+
+STEP_PARTS = ("schedule", "pack", "transfer", "device", "fetch", "update")
 
 
 @contextlib.contextmanager
@@ -278,6 +288,10 @@ def readable(r: dict) -> str:
         lines.append(f"{x['batch']:>5} {x['prefill_tokens_per_second']:>13.1f} {x['decode_tokens_per_second']:>12.1f}"
                      f" {x['decode_ms_per_token']:>9.2f} {x['decode_bandwidth_gbps']:>11.2f} {x['mbu']:>6.1%}"
                      f" {x['compile_seconds']:>9.1f}")
+    for x in r["results"]:
+        parts = " + ".join(f"{part} {x['step_ms'][part]:.2f}" for part in STEP_PARTS if part != "device")
+        lines.append(f"batch {x['batch']}: per step (ms) host {x['host_ms_per_step']:.2f} = {parts}; device "
+                     f"{x['step_ms']['device']:.2f}; device idle {x['device_idle']:.1%} of the steps' wall time")
     for x in r["results"]:
         ar = x["collectives"].get("decode", {}).get("all-reduce", {"count": 0, "bytes": 0})
         lines.append(f"batch {x['batch']}: decode step all-reduce {ar['count']} x, {ar['bytes']:,} bytes per device")

@@ -191,6 +191,7 @@ class EngineConfig:
     max_tokens_per_step: int = 256          # token budget per replica per step (rounded up to a power of two)
     prefix_caching: bool = True
     attention_backend: str | None = None    # "xla" or "pallas"; None: pallas on GPU where it tiles, else xla
+    compilation_cache: bool = True          # JAX's persistent cache under the jaxinfer cache directory
 
     def __post_init__(self):
         def integer(name: str, value: Any, least: int) -> None:
@@ -228,6 +229,8 @@ class EngineConfig:
                        help="do not share the KV pages of common prompt prefixes")
         g.add_argument("--attention-backend", default=None, choices=["xla", "pallas"],
                        help="xla: pure-jnp reference (CPU default); pallas: the Pallas GPU kernels (GPU default)")
+        g.add_argument("--no-compilation-cache", dest="compilation_cache", action="store_false",
+                       help="compile every bucket afresh instead of loading it from $JAXINFER_CACHE/xla")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:

@@ -164,6 +164,7 @@ class Engine:
     # ---- the step loop -----------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Schedule, run one device step, hand out the sampled tokens; returns the requests that finished."""
+        t_start = time.perf_counter()
         outputs = [s.schedule() for s in self.schedulers]
         stages = [outputs, *self.in_flight]                     # stages[s]: the microbatch stage s runs now
         busy = [has_work(mb) for mb in stages]
@@ -177,10 +178,12 @@ class Engine:
             batch = pack(outputs, self.config.page_size, self.pages_per_replica, sp=self.sp)
         else:
             batch = pack_stages(stages, self.config.page_size, self.pages_per_replica, self.sp)
+        t_packed = time.perf_counter()
         sampled, logprobs, counts = self.runner.step(batch, "prefill" if prefill else "decode")
         if counts is not None:
             self.expert_load.record(counts.sum(axis=1))
         seconds = time.perf_counter() - t0 - (self.runner.compile_seconds - compiled)
+        t_done = time.perf_counter()
         done = stages[-1]                                        # left the last stage: its tokens are back
         self.in_flight = collections.deque(stages[:-1])
         self._stepping = True
@@ -195,7 +198,13 @@ class Engine:
         aborted, self._deferred_aborts = self._deferred_aborts, []
         for request_id in aborted:
             self.abort(request_id)
-        s = self.stats
+        s, timing = self.stats, self.runner.timing
+        s.schedule_seconds += t0 - t_start
+        s.pack_seconds += t_packed - t0
+        s.transfer_seconds += timing.transfer
+        s.device_seconds += timing.device
+        s.fetch_seconds += timing.fetch
+        s.update_seconds += time.perf_counter() - t_done
         s.steps += 1
         s.stage_steps += self.stages
         s.busy_stage_steps += sum(busy)

@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxinfer.checkpoint import Checkpoint, load_params
 from jaxinfer.collectives import collective_report
+from jaxinfer.compilation_cache import enable_compilation_cache
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import Completion, Engine
 from jaxinfer.engine_loop import EngineLoop, RequestStream
@@ -48,6 +49,8 @@ class LLM:
         """engine_config (or its fields as keyword arguments, e.g. num_pages=64): the serving knobs.
         Everything is checked before any weight is read."""
         engine_config = dataclasses.replace(engine_config or EngineConfig(), **engine_args)
+        if engine_config.compilation_cache:
+            enable_compilation_cache()
         self.path = Path(model)
         self.config = ModelConfig.from_dir(self.path)
         self.mesh_config = MeshConfig.parse(mesh)
@@ -113,6 +116,13 @@ class LLM:
             raise TokenizerError(f"{self.path} has no tokenizer.json, so no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([self.tokenizer.chat_ids(c) for c in conversations], params)
+
+    def warmup(self, max_len: int | None = None, progress: bool = True) -> int:
+        """Compile the step buckets a server hits (jaxinfer.warmup) for sequences up to max_len tokens
+        (default: the context) before any request comes; returns how many were compiled."""
+        from jaxinfer.warmup import warmup
+
+        return warmup(self.engine, max_len, progress)
 
     def collective_report(self) -> dict:
         """Collectives executed by the latest compiled prefill and decode steps (per step, per device)."""

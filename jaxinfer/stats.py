@@ -21,11 +21,30 @@ class EngineStats:
     stage_steps: int = 0            # pipeline stages x steps (steps, with one stage)
     busy_stage_steps: int = 0       # of those, stages that held a microbatch with work
     microbatches: int = 0           # steps that fed in new work
+    # where a step's time goes (compilation excluded): host work, and the device's between dispatch and results
+    schedule_seconds: float = 0.0   # host: the schedulers pick the step's work
+    pack_seconds: float = 0.0       # host: the work packed into bucketed arrays
+    transfer_seconds: float = 0.0   # host: the arrays placed on the devices
+    device_seconds: float = 0.0     # device: dispatch until the step's outputs are ready
+    fetch_seconds: float = 0.0      # host: tokens and log-probabilities back to the host
+    update_seconds: float = 0.0     # host: tokens handed out (stop checks, detokenizing, stream callbacks)
 
     @property
     def utilisation(self) -> float:
         """Stage-steps that did real work over all stage-steps (1.0 without a pipeline, when always busy)."""
         return self.busy_stage_steps / self.stage_steps if self.stage_steps else 0.0
+
+    @property
+    def host_seconds(self) -> float:
+        return (self.schedule_seconds + self.pack_seconds + self.transfer_seconds + self.fetch_seconds
+                + self.update_seconds)
+
+    @property
+    def device_idle(self) -> float:
+        """Fraction of the steps' wall time the device waited for the host (the loop is synchronous: the
+        device is idle whenever the host works)."""
+        wall = self.host_seconds + self.device_seconds
+        return self.host_seconds / wall if wall else 0.0
 
     def copy(self) -> EngineStats:
         return dataclasses.replace(self)

@@ -5,6 +5,7 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
                            " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")  # tests compile afresh; test_warmup checks the cache
 
 # ---- the Hugging Face reference fixtures (../shared/fixtures/hf-tiny) ------------------------------------
 # Everything below runs after the environment above is set; nothing here imports JAX.

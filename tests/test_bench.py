@@ -46,6 +46,13 @@ def test_bench_json_counts(tmp_path, capsys):
         # decode step's activations are [b, hidden] float32 (each request on the one replica)
         ar = x["collectives"]["decode"]["all-reduce"]
         assert ar == {"count": 2 * cfg.num_layers + 1, "bytes": (2 * cfg.num_layers + 1) * b * cfg.hidden_size * f32}
+        # every part of a step was timed, and they add up: host work + device = the steps' wall time
+        steps = x["decode_steps"] + 1      # one prefill step (16 tokens fit the step budget) and the decodes
+        assert all(v > 0 for v in x["step_ms"].values()), x["step_ms"]
+        host = sum(v for k, v in x["step_ms"].items() if k != "device")
+        assert math.isclose(x["host_ms_per_step"], host) and 0 < x["device_idle"] < 1
+        assert math.isclose(x["device_idle"], host / (host + x["step_ms"]["device"]))
+        assert (x["prefill_seconds"] + x["decode_seconds"]) * 1e3 / steps >= x["step_ms"]["device"]
     text = bench.readable(r).splitlines()
     for x in r["results"]:     # the table shows the JSON's figures, formatted as bench.readable formats them
         ar = x["collectives"]["decode"]["all-reduce"]

@@ -293,7 +293,8 @@ def test_sigterm_finishes_the_request_in_flight_then_exits_0(tmp_path):
     the server then stops listening and the process exits 0."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAXINFER_CACHE": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.serve", "--port", str(port), "--grace-period", "60"],
+    proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.serve", "--port", str(port), "--grace-period", "60",
+                             "--no-warmup"],
                             env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -1,0 +1,77 @@
+"""Start-up: the warm-up compiles the buckets serving hits before any request, and JAX's persistent cache
+lets a fresh process load its executables instead of compiling them."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.compilation_cache import compilation_cache_dir
+from jaxinfer.warmup import warmup_shapes
+
+GREEDY = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(hf_tiny):
+    llm = LLM(hf_tiny / "llama", dtype="float32", max_tokens_per_step=16, max_num_seqs=2, compilation_cache=False)
+    yield llm
+    llm.close()
+
+
+def test_warmup_compiles_the_serving_buckets_and_generate_compiles_nothing_new(llm):
+    shapes = warmup_shapes(llm.engine, max_len=16)
+    # one page-table width; decodes of 1 and 2 sequences, and the 16-token budget shared by 1 or 2
+    assert shapes == [(1, 1, 1, False), (2, 2, 1, False), (16, 1, 1, False), (16, 2, 1, False)]
+    assert llm.warmup(max_len=16, progress=False) == len(shapes) == llm.engine.compilations
+    prompts = [list(range(10, 17)), list(range(20, 28))]   # one 15-token prefill step, then decodes of 2
+    out = llm.generate(prompts, [GREEDY, SamplingParams(max_tokens=3, temperature=0.8, seed=1, ignore_eos=True)])
+    assert [len(c.token_ids) for c in out] == [3, 3]
+    assert llm.engine.compilations == len(shapes)
+    assert llm.warmup(max_len=16, progress=False) == 0
+
+
+CHILD = """
+import json, sys
+import jax
+hits = []
+jax.monitoring.register_event_listener(lambda event, **_: hits.append(event))
+from jaxinfer import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="float32", max_tokens_per_step=16)
+llm.generate([[1, 5, 6, 7]], SamplingParams(max_tokens=2, temperature=0))
+print(json.dumps({"hits": hits.count("/jax/compilation_cache/cache_hits"), "compiled": llm.engine.compilations}))
+llm.close()
+"""
+
+
+def fresh_process(hf_tiny, cache) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") or k == "JAX_PLATFORMS"}
+    out = subprocess.run([sys.executable, "-c", CHILD, str(hf_tiny / "llama")], check=True, capture_output=True,
+                         text=True, env=env | {"JAXINFER_CACHE": str(cache)}).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_a_restart_loads_its_executables_from_the_persistent_cache(hf_tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXINFER_CACHE", str(tmp_path))
+    cold = fresh_process(hf_tiny, tmp_path)
+    entries = sorted(compilation_cache_dir().iterdir())
+    assert cold["compiled"] == 2 and len(entries) >= cold["compiled"]   # prefill and decode steps, at least
+    warm = fresh_process(hf_tiny, tmp_path)
+    assert warm["compiled"] == 2 and warm["hits"] >= warm["compiled"]
+    assert sorted(compilation_cache_dir().iterdir()) == entries        # nothing compiled afresh
+
+
+def test_the_cache_can_be_turned_off(hf_tiny, tmp_path, monkeypatch):
+    import jax
+
+    monkeypatch.setenv("JAXINFER_CACHE", str(tmp_path))
+    before, enabled = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", True)   # as outside the suite (conftest turns it off)
+    try:
+        LLM(hf_tiny / "llama", dtype="float32", compilation_cache=False).close()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+    assert jax.config.jax_compilation_cache_dir == before and not (tmp_path / "xla").exists()
