@@ -46,6 +46,8 @@ class StepBatch:
     sample_positions: jax.Array  # int32 [R * S] position of the token each sequence samples
     sampling: SamplingArrays     # [R * S]
     meta: StepMetadata
+    feed: jax.Array              # int32 [R, N] overlap: the previous step's sampled row index to take the token
+                                 # from (its tokens were not on the host when this step was packed), -1 else
 
 
 def bucket(n: int, minimum: int = 1, multiple: int = 1) -> int:
@@ -81,7 +83,7 @@ def pack(outputs: list[SchedulerOutput], page_size: int, pool_pages: int,
     page_table = np.zeros((R, S, max_pages), np.int32)
     seq_lens, logits_index = np.zeros((R, S), np.int32), np.zeros((R, S), np.int32)
     query_start, num_seqs = np.zeros((R, S + 1), np.int32), np.zeros(R, np.int32)
-    token_seq = np.full((R, N), -1, np.int32)
+    token_seq, feed = np.full((R, N), -1, np.int32), np.full((R, N), -1, np.int32)
     params, seeds = [GREEDY] * (R * S), [0] * (R * S)
     for i, out in enumerate(outputs):
         t = 0
@@ -92,6 +94,7 @@ def pack(outputs: list[SchedulerOutput], page_size: int, pool_pages: int,
             positions[i, t: t + n] = pos
             slots[i, t: t + n] = np.asarray(seq.pages)[pos // P] * P + pos % P
             token_seq[i, t: t + n] = s
+            feed[i, t + n - 1] = seq.feed
             page_table[i, s, : len(seq.pages)] = seq.pages
             seq_lens[i, s] = seq.end
             logits_index[i, s] = t + n - 1
@@ -101,8 +104,9 @@ def pack(outputs: list[SchedulerOutput], page_size: int, pool_pages: int,
         query_start[i, len(out.sequences) + 1:] = t
         num_seqs[i] = len(out.sequences)
     order = ring_order(N, sp)
-    tokens, positions, slots, token_seq = (a[:, order] for a in (tokens, positions, slots, token_seq))
+    tokens, positions, slots, token_seq, feed = (a[:, order] for a in (tokens, positions, slots, token_seq, feed))
     logits_index = np.argsort(order).astype(np.int32)[logits_index]
     ring = sp > 1 and any(o.prefill for o in outputs)
     meta = StepMetadata(positions, slots, page_table, seq_lens, query_start, num_seqs, token_seq, ring)
-    return StepBatch(tokens, logits_index, seq_lens.reshape(-1), SamplingArrays.from_params(params, R * S, seeds), meta)
+    return StepBatch(tokens, logits_index, seq_lens.reshape(-1), SamplingArrays.from_params(params, R * S, seeds), meta,
+                     feed)

@@ -21,8 +21,14 @@ Why each number is what it is:
   reads every page of the page-table bucket (a power of two), not just the context (more bytes).
 - Step time, per step of the measured run (prefill and decode steps together): host work (schedule,
   pack, transfer = placing the inputs on the devices, fetch = the sampled tokens back, update = handing
-  the tokens out: stop checks, detokenizing, streams) and device = dispatch until the step's outputs are
-  ready. The loop is synchronous, so device idle = host / (host + device) of the steps' wall time.
+  the tokens out: stop checks, detokenizing, streams) and device = the host starting steps and waiting
+  for their outputs. Overlapped scheduling (the default) does the host's work for step k+1 while step k
+  runs; device idle is the fraction of the steps' wall time the device had no step to run, an upper
+  bound (from the last moment a step was seen running to the dispatch of the next). With --no-overlap
+  the host waits for every step, and device idle = the host's share of the wall time.
+- XLA floor (jaxinfer.xla_floor): the same weights and decode shapes through a plain jitted forward (no
+  engine, no KV cache, no attention, the argmax fed back on device), best of three runs of 32 calls;
+  "of floor" = decode tok/s / floor tok/s, the engine's efficiency against what the matmuls cost here.
 - OPENBLAS: this module sets no OPENBLAS_*/OMP_* variables (nor any other thread setting); numpy's copy
   does not use BLAS and changing them would change how numpy and XLA:CPU share the cores. Set them
   outside the process if wanted; the output then reflects that setting.
@@ -136,8 +142,10 @@ def kv_bytes_read(llm, batch: int, avg_context: float) -> float:
 
 
 def bench_batch(llm, batch: int, prompt_len: int, max_tokens: int, seed: int, bandwidth: float) -> dict:
-    """One warm-up generate (compiles every step for these shapes), then the measured one."""
+    """One warm-up generate (compiles every step for these shapes), then the measured one, then the XLA
+    floor of the same decode shapes (jaxinfer.xla_floor)."""
     from jaxinfer.sampling import SamplingParams
+    from jaxinfer.xla_floor import decode_floor
 
     rng = np.random.default_rng(seed)
     warmup, prompts = (rng.integers(0, llm.config.vocab_size, (batch, prompt_len)).tolist() for _ in range(2))
@@ -153,11 +161,14 @@ def bench_batch(llm, batch: int, prompt_len: int, max_tokens: int, seed: int, ba
     w, k = weight_bytes_read(llm), kv_bytes_read(llm, batch, avg_context)
     steps_per_s = s.decode_steps / s.decode_seconds if s.decode_seconds else 0.0
     report = llm.collective_report()
+    decode_tps = s.decode_tokens / s.decode_seconds if s.decode_seconds else 0.0
+    floor = decode_floor(llm.engine, batch)
     return {
         "batch": batch, "prefill_tokens": s.prefill_tokens, "prefill_seconds": s.prefill_seconds,
         "prefill_tokens_per_second": s.prefill_tokens / s.prefill_seconds if s.prefill_seconds else 0.0,
         "decode_tokens": s.decode_tokens, "decode_steps": s.decode_steps, "decode_seconds": s.decode_seconds,
-        "decode_tokens_per_second": s.decode_tokens / s.decode_seconds if s.decode_seconds else 0.0,
+        "decode_tokens_per_second": decode_tps,
+        "xla_floor_tokens_per_second": floor, "of_floor": decode_tps / floor if floor else None,
         "decode_ms_per_token": 1e3 * s.decode_seconds / s.decode_steps if s.decode_steps else 0.0,
         "compile_seconds": compile_seconds + s.compile_seconds,   # the second term is 0 unless shapes changed
         "avg_decode_context": avg_context,
@@ -178,23 +189,23 @@ STEP_PARTS = ("schedule", "pack", "transfer", "device", "fetch", "update")
 @contextlib.contextmanager
 def step_log(engine):
     """Every device step run while active: its phase, executable, real tokens (summed over replicas) and
-    padded tokens (R x N of its buckets). Wraps `run` on this engine instance only, restored on exit."""
+    padded tokens (R x N of its buckets). Wraps `dispatch` on this engine instance only, restored on exit."""
     runner = engine.runner
-    steps, run = [], runner.run
+    steps, dispatch = [], runner.dispatch
 
     def logged(step, batch, phase=None):
-        out = run(step, batch, phase)
+        out = dispatch(step, batch, phase)
         name = phase or step
         steps.append({"phase": name, "executable": runner.last[name],
                       "tokens": int(np.asarray(batch.meta.query_start)[..., -1].sum()),  # every stage's
                       "padded_tokens": math.prod(np.shape(batch.tokens))})
         return out
 
-    runner.run = logged
+    runner.dispatch = logged
     try:
         yield steps
     finally:
-        del runner.run
+        del runner.dispatch
 
 
 def all_to_all(llm, steps: list[dict], phase: str) -> dict | None:
@@ -282,11 +293,13 @@ def readable(r: dict) -> str:
              f"{r['max_tokens']} generated",
              f"memory    {r['memory_bandwidth_gbps']:.1f} GB/s host copy bandwidth (read+write; shared by all "
              f"CPU devices); W = {r['weight_bytes_per_step'] / 2**20:.1f} MiB of weight shards read per step",
-             f"{'batch':>5} {'prefill tok/s':>13} {'decode tok/s':>12} {'ms/token':>9} {'decode GB/s':>11} "
-             f"{'MBU':>6} {'compile s':>9}"]
+             f"{'batch':>5} {'prefill tok/s':>13} {'decode tok/s':>12} {'XLA floor':>9} {'of floor':>8} "
+             f"{'ms/token':>9} {'decode GB/s':>11} {'MBU':>6} {'compile s':>9}"]
     for x in r["results"]:
+        floor = (f"{x['xla_floor_tokens_per_second']:>9.1f} {x['of_floor']:>8.1%}" if x["xla_floor_tokens_per_second"]
+                 else f"{'-':>9} {'-':>8}")
         lines.append(f"{x['batch']:>5} {x['prefill_tokens_per_second']:>13.1f} {x['decode_tokens_per_second']:>12.1f}"
-                     f" {x['decode_ms_per_token']:>9.2f} {x['decode_bandwidth_gbps']:>11.2f} {x['mbu']:>6.1%}"
+                     f" {floor} {x['decode_ms_per_token']:>9.2f} {x['decode_bandwidth_gbps']:>11.2f} {x['mbu']:>6.1%}"
                      f" {x['compile_seconds']:>9.1f}")
     for x in r["results"]:
         parts = " + ".join(f"{part} {x['step_ms'][part]:.2f}" for part in STEP_PARTS if part != "device")

@@ -192,6 +192,7 @@ class EngineConfig:
     prefix_caching: bool = True
     attention_backend: str | None = None    # "xla" or "pallas"; None: pallas on GPU where it tiles, else xla
     compilation_cache: bool = True          # JAX's persistent cache under the jaxinfer cache directory
+    overlap: bool = True                    # schedule step k+1 while step k runs (jaxinfer.engine)
 
     def __post_init__(self):
         def integer(name: str, value: Any, least: int) -> None:
@@ -229,6 +230,8 @@ class EngineConfig:
                        help="do not share the KV pages of common prompt prefixes")
         g.add_argument("--attention-backend", default=None, choices=["xla", "pallas"],
                        help="xla: pure-jnp reference (CPU default); pallas: the Pallas GPU kernels (GPU default)")
+        g.add_argument("--no-overlap", dest="overlap", action="store_false",
+                       help="wait for each step's tokens before scheduling the next (for debugging)")
         g.add_argument("--no-compilation-cache", dest="compilation_cache", action="store_false",
                        help="compile every bucket afresh instead of loading it from $JAXINFER_CACHE/xla")
 

@@ -7,6 +7,12 @@ and samples; each scheduler takes its sampled tokens back and says which request
 Under pp the step is one call of the pipeline (jaxinfer.pipeline): the new microbatch enters stage 0 and
 the tokens that come back are those of the microbatch scheduled pp - 1 steps earlier, so pp microbatches
 are in flight; with pp=1 they come back at once.
+
+Overlapped scheduling (EngineConfig.overlap, the default with one stage): the host schedules, packs and
+dispatches step k+1 while step k runs, and only then waits for step k's tokens and hands them out, so the
+device does not wait for the host's work between steps. Tokens the host has not seen yet are taken on the
+device from step k's output (jaxinfer.scheduler). The tokens are those of the synchronous loop
+(`overlap=False`, kept for debugging); a stop is seen one step late and the token drawn after it dropped.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -43,6 +50,23 @@ class RequestError(ValueError):
 
 class EngineStalled(RuntimeError):
     """Requests are queued but no step can make progress: a bug, reported instead of spinning forever."""
+
+
+@dataclasses.dataclass
+class Dispatched:
+    """A step on the device whose tokens the host has not taken yet."""
+
+    done: Microbatch        # the microbatch whose tokens it returns (the last stage's)
+    outputs: Any            # its outputs, still on the device
+    prefill: bool
+    busy_seen: float        # the latest time it was seen still running (for the device idle estimate)
+
+    def ready(self, now: float) -> bool:
+        """Whether its outputs are ready (non-blocking); if not, the device is still busy at `now`."""
+        if all(x.is_ready() for x in jax.tree.leaves(self.outputs)):
+            return True
+        self.busy_seen = now
+        return False
 
 
 @dataclasses.dataclass
@@ -80,12 +104,16 @@ class Engine:
         replicas = layout.axis_size("batch")                              # dp x ep replicas
         cache = PagedKVCache.zeros(self.stages * weights.stage_layers, self.kv_heads,
                                    replicas * self.pages_per_replica, config.page_size, cfg.head_dim, dtype, layout)
-        self.runner = (PipelineRunner if self.stages > 1 else ModelRunner)(model, layout, weights, cache, backend)
         self.max_tokens = bucket(config.max_tokens_per_step, 16)
+        self.runner = (PipelineRunner if self.stages > 1 else ModelRunner)(
+            model, layout, weights, cache, backend, max_seqs=bucket(min(config.max_num_seqs, self.max_tokens)))
+        self.overlap = config.overlap and self.stages == 1      # a pipeline already keeps steps in flight
         self.schedulers = [Scheduler(PagePool(self.pages_per_replica, config.page_size, config.prefix_caching, self.sp),
-                                     config.max_num_seqs, self.max_tokens, self.stages) for _ in range(replicas)]
+                                     config.max_num_seqs, self.max_tokens, self.stages, self.overlap)
+                           for _ in range(replicas)]
         # the microbatches at stages 1 .. pp - 1, newest first (None: nothing was scheduled there yet)
         self.in_flight: collections.deque[Microbatch] = collections.deque([None] * (self.stages - 1))
+        self.dispatched: Dispatched | None = None   # overlap: the step whose tokens the next step() hands out
         self.requests: dict[str, tuple[Request, Scheduler]] = {}
         self._stepping = False
         self._deferred_aborts: list[str] = []   # asked for by token callbacks during a step
@@ -154,7 +182,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or any(map(has_work, self.in_flight))
+        return bool(self.requests) or self.dispatched is not None or any(map(has_work, self.in_flight))
 
     def reset_prefix_cache(self) -> None:
         """Empty every replica's prefix cache (e.g. between benchmark passes)."""
@@ -163,34 +191,74 @@ class Engine:
 
     # ---- the step loop -----------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Schedule, run one device step, hand out the sampled tokens; returns the requests that finished."""
+        """Schedule and dispatch one device step, and hand out the tokens of the step whose results are due
+        (this one; overlapped, the one before); returns the requests that finished."""
         t_start = time.perf_counter()
+        previous, compiled = self.dispatched, self.runner.compile_seconds
+        if previous is not None:
+            previous.ready(t_start)
         outputs = [s.schedule() for s in self.schedulers]
         stages = [outputs, *self.in_flight]                     # stages[s]: the microbatch stage s runs now
         busy = [has_work(mb) for mb in stages]
-        if not any(busy):
+        s = self.stats
+        t_scheduled = time.perf_counter()
+        s.schedule_seconds += t_scheduled - t_start
+        if any(busy):
+            prefill = any(o.prefill for mb in stages if mb for o in mb)
+            if self.stages == 1:
+                batch = pack(outputs, self.config.page_size, self.pages_per_replica, sp=self.sp)
+            else:
+                batch = pack_stages(stages, self.config.page_size, self.pages_per_replica, self.sp)
+            s.pack_seconds += time.perf_counter() - t_scheduled
+            if previous is not None and previous.ready(now := time.perf_counter()):
+                s.idle_seconds += now - previous.busy_seen   # the device ran dry: for at most this long
+            on_device = self.runner.step(batch, "prefill" if prefill else "decode")
+            s.transfer_seconds += self.runner.timing.transfer
+            s.device_seconds += self.runner.timing.launch
+            new = Dispatched(stages[-1], on_device, prefill, time.perf_counter())
+            self.in_flight = collections.deque(stages[:-1])
+            s.stage_steps += self.stages
+            s.busy_stage_steps += sum(busy)
+            s.microbatches += bool(busy[0])
+            if prefill:
+                s.prefill_tokens += sum(o.num_tokens for o in outputs)
+        elif previous is None:
             if self.requests:
                 raise EngineStalled(self._stall_report())
             return []
-        prefill = any(o.prefill for mb in stages if mb for o in mb)
-        t0, compiled = time.perf_counter(), self.runner.compile_seconds
-        if self.stages == 1:
-            batch = pack(outputs, self.config.page_size, self.pages_per_replica, sp=self.sp)
         else:
-            batch = pack_stages(stages, self.config.page_size, self.pages_per_replica, self.sp)
-        t_packed = time.perf_counter()
-        sampled, logprobs, counts = self.runner.step(batch, "prefill" if prefill else "decode")
+            new = None
+        due, self.dispatched = (previous, new) if self.overlap else (new, None)
+        finished = self._hand_out(due) if due is not None else []
+        seconds = time.perf_counter() - t_start - (self.runner.compile_seconds - compiled)
+        s.wall_seconds += seconds
+        if not self.overlap:
+            s.idle_seconds += seconds - self.runner.timing.launch - self.runner.timing.wait
+        if due is not None:
+            s.steps += 1
+            if due.prefill:
+                s.prefill_steps += 1
+                s.prefill_seconds += seconds
+            else:
+                s.decode_steps += 1
+                s.decode_seconds += seconds
+                s.decode_tokens += sum(seq.samples for o in due.done or [] for seq in o.sequences)
+        s.compile_seconds = self.runner.compile_seconds
+        s.preemptions = sum(sch.preemptions for sch in self.schedulers)
+        return finished
+
+    def _hand_out(self, step: Dispatched) -> list[Request]:
+        """Wait for a dispatched step's tokens and give them to their requests (stop checks, detokenizing,
+        stream callbacks)."""
+        sampled, logprobs, counts = self.runner.collect_step(step.outputs)
+        t0 = time.perf_counter()
         if counts is not None:
             self.expert_load.record(counts.sum(axis=1))
-        seconds = time.perf_counter() - t0 - (self.runner.compile_seconds - compiled)
-        t_done = time.perf_counter()
-        done = stages[-1]                                        # left the last stage: its tokens are back
-        self.in_flight = collections.deque(stages[:-1])
         self._stepping = True
         try:
-            finished = [] if done is None else [r for sched, out, row, lp in zip(self.schedulers, done, sampled,
-                                                                                 logprobs, strict=True)
-                                                for r in sched.update(out, row, lp)]
+            finished = [] if step.done is None else [r for sched, out, row, lp in zip(self.schedulers, step.done,
+                                                                                      sampled, logprobs, strict=True)
+                                                     for r in sched.update(out, row, lp)]
         finally:
             self._stepping = False
         for r in finished:
@@ -198,27 +266,10 @@ class Engine:
         aborted, self._deferred_aborts = self._deferred_aborts, []
         for request_id in aborted:
             self.abort(request_id)
-        s, timing = self.stats, self.runner.timing
-        s.schedule_seconds += t0 - t_start
-        s.pack_seconds += t_packed - t0
-        s.transfer_seconds += timing.transfer
-        s.device_seconds += timing.device
-        s.fetch_seconds += timing.fetch
-        s.update_seconds += time.perf_counter() - t_done
-        s.steps += 1
-        s.stage_steps += self.stages
-        s.busy_stage_steps += sum(busy)
-        s.microbatches += bool(busy[0])
-        s.compile_seconds = self.runner.compile_seconds
-        s.preemptions = sum(sch.preemptions for sch in self.schedulers)
-        if prefill:
-            s.prefill_steps += 1
-            s.prefill_seconds += seconds
-            s.prefill_tokens += sum(o.num_tokens for o in outputs)
-        else:
-            s.decode_steps += 1
-            s.decode_seconds += seconds
-            s.decode_tokens += sum(seq.samples for o in done or [] for seq in o.sequences)
+        s = self.stats
+        s.device_seconds += self.runner.timing.wait
+        s.fetch_seconds += self.runner.timing.fetch
+        s.update_seconds += time.perf_counter() - t0
         return finished
 
     def _stall_report(self) -> str:

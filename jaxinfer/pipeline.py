@@ -150,23 +150,19 @@ class PipelineRunner(ModelRunner):
         self.state = PipelineState(cache, make())
         self._resize = jax.jit(_resize, static_argnums=(1, 2), out_shardings=layout.sharding(CARRY_AXES))
 
-    @property
-    def cache(self) -> PagedKVCache:
-        return self.state.cache
-
     def _tracing(self) -> contextlib.AbstractContextManager:
         return jax.set_mesh(self.layout.mesh)  # the stage's specs are resolved against it
 
-    def run(self, kind: str, batch: Any, phase: str | None = None) -> Any:
+    def dispatch(self, kind: str, batch: Any, phase: str | None = None) -> Any:
         tokens = batch.tokens.shape[1]
         if kind == "step" and self.state.carry.shape[2] != tokens:
             self.state = self.state.replace(carry=self._resize(self.state.carry, tokens, self.sp))
-        return super().run(kind, batch, phase)
+        return super().dispatch(kind, batch, phase)
 
-    def step(self, batch: PipelineBatch, phase: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    def collect_step(self, out: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """(tokens sampled for the microbatch leaving the last stage [R, S], their log-probabilities, its MoE
         counts or None)."""
-        tokens, logprobs, counts = self.run("step", batch, phase)
+        tokens, logprobs, counts = self.collect(out)
         counts = None if counts is None else counts_by_layer(counts, self._moe_stacks, self.model.cfg.moe_layers)
         return tokens, logprobs, counts
 

@@ -5,8 +5,12 @@ One jitted function per kind of step, compiled ahead of time once per bucket sha
   padded vocabulary rows masked, then one token sampled per sequence on device;
 - "score": the same forward with float32 logits of every token (LLM.logits), nothing sampled.
 The latest executable of each phase is kept for the collective report. The runner's `state` is what
-each step donates and gets back: here the KV pool; a pipeline over pp (jaxinfer.pipeline) adds the
-activations in flight between its stages.
+each step donates and gets back: here the KV pool and the latest sampled tokens (which the next step
+takes the tokens the host has not seen yet from: overlapped scheduling); a pipeline over pp
+(jaxinfer.pipeline) has the activations in flight between its stages instead of the tokens.
+
+`dispatch` starts a step and returns its outputs still on the device; `collect` waits for them and brings
+them to the host. Between the two the host is free to prepare the next step.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from jaxinfer.batch import StepBatch
 from jaxinfer.distributed import to_host
@@ -70,26 +75,37 @@ def _place(buffers: list[np.ndarray], shardings: list) -> list[jax.Array]:
             for x, sharding in zip(buffers, shardings, strict=True)]
 
 
-@dataclasses.dataclass(frozen=True)
-class StepTiming:
-    """Where the latest run's time went, as the host sees it (seconds)."""
+@struct.dataclass
+class RunnerState:
+    cache: PagedKVCache
+    sampled: jax.Array   # int32 [R, S_max] the latest step's sampled tokens (row r: replica r's sequences)
 
-    transfer: float   # placing the inputs on the devices
-    device: float     # dispatch until the outputs are ready: the device's work
-    fetch: float      # the outputs to the host
+
+@dataclasses.dataclass
+class StepTiming:
+    """Where the host's time went in the latest dispatch and collect (seconds)."""
+
+    transfer: float = 0.0   # packing the inputs and placing them on the devices
+    launch: float = 0.0     # calling the executable (asynchronous: returns before the device is done)
+    wait: float = 0.0       # waiting for the outputs to be ready
+    fetch: float = 0.0      # the outputs to the host
 
 
 class ModelRunner:
     """Runs steps of one model on one mesh; owns the weights, the KV pool and the compiled executables."""
 
-    def __init__(self, model: Model, layout: Layout, weights: Weights, cache: PagedKVCache, backend: str):
+    def __init__(self, model: Model, layout: Layout, weights: Weights, cache: PagedKVCache, backend: str,
+                 max_seqs: int = 1):
+        """max_seqs: the most sequences a replica's step holds (the width of the kept sampled tokens)."""
         self.model, self.layout, self.weights, self.backend = model, layout, weights, backend
-        self.state: Any = cache
+        replicas = layout.axis_size("batch")
+        sampled = jax.device_put(np.zeros((replicas, max_seqs), np.int32), layout.sharding(("batch", None)))
+        self.state: Any = RunnerState(cache, sampled)
         self.vocab_size = model.cfg.vocab_size
         self.executables: dict[tuple, jax.stages.Compiled] = {}
         self.last: dict[str, jax.stages.Compiled] = {}   # phase -> its latest executable
         self.compile_seconds = 0.0
-        self.timing = StepTiming(0.0, 0.0, 0.0)
+        self.timing = StepTiming()
         # every device gets the whole input buffer (a few KiB), so unpacking it needs no collective
         self._replicated = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
         self._jitted = {kind: jax.jit(lambda weights, state, buffers, inputs, fn=fn: fn(
@@ -103,7 +119,7 @@ class ModelRunner:
 
     @property
     def cache(self) -> PagedKVCache:
-        return self.state
+        return self.state.cache
 
     # ---- traced ---------------------------------------------------------------------------------
     def _embed(self, embed: Any, tokens: jax.Array, ctx: StepContext) -> jax.Array:
@@ -136,15 +152,18 @@ class ModelRunner:
         logits = ctx.constrain(self.model.head(head, x, ctx), ("batch", "seq", "vocab"))
         return ctx.constrain(logits, ("batch", "seq", None))[..., : self.vocab_size]
 
-    def _step(self, weights: Weights, cache: PagedKVCache, batch: StepBatch):
-        x, cache, counts, ctx = self._forward(weights, cache, batch)
+    def _step(self, weights: Weights, state: RunnerState, batch: StepBatch):
+        fed = jnp.take_along_axis(state.sampled, jnp.maximum(batch.feed, 0), axis=1)   # per-row gather
+        batch = batch.replace(tokens=jnp.where(batch.feed >= 0, fed, batch.tokens))
+        x, cache, counts, ctx = self._forward(weights, state.cache, batch)
         tokens, logprobs = self._sample(weights.head, x, batch.logits_index, batch.sample_positions,
                                         batch.sampling, ctx)
-        return (tokens, logprobs, counts), cache
+        sampled = ctx.constrain(state.sampled.at[:, : tokens.shape[1]].set(tokens), ("batch", None))
+        return (tokens, logprobs, counts), RunnerState(cache, sampled)
 
-    def _score(self, weights: Weights, cache: PagedKVCache, batch: StepBatch):
-        x, cache, _, ctx = self._forward(weights, cache, batch)
-        return self._logits(weights.head, x, ctx), cache
+    def _score(self, weights: Weights, state: RunnerState, batch: StepBatch):
+        x, cache, _, ctx = self._forward(weights, state.cache, batch)
+        return self._logits(weights.head, x, ctx), state.replace(cache=cache)
 
     def _real_vocab(self, logits: jax.Array) -> jax.Array:
         """Rows added to pad the vocabulary to a multiple of tp can never be sampled."""
@@ -154,9 +173,10 @@ class ModelRunner:
         return jnp.where(jnp.arange(padded) < self.vocab_size, logits, -jnp.inf)
 
     # ---- host -----------------------------------------------------------------------------------
-    def run(self, kind: str, batch: StepBatch, phase: str | None = None) -> Any:
-        """Compile ahead of time once per bucket (timed apart), then execute on the donated pool; the
-        outputs come back to the host. The executable is remembered as the latest of its phase."""
+    def dispatch(self, kind: str, batch: StepBatch, phase: str | None = None) -> Any:
+        """Compile ahead of time once per bucket (timed apart), then start the executable on the donated
+        state; returns its outputs on the device, before they are ready. The executable is remembered as
+        the latest of its phase."""
         t0 = time.perf_counter()
         inputs, buffers = Inputs.pack(batch)
         packed = time.perf_counter() - t0
@@ -165,11 +185,21 @@ class ModelRunner:
         placed = _place(buffers, exe.input_shardings[0][2])
         t2 = time.perf_counter()
         out, self.state = exe(self.weights, self.state, placed)
-        jax.block_until_ready(out)
-        t3 = time.perf_counter()
-        out = jax.tree.map(to_host, out)
-        self.timing = StepTiming(packed + t2 - t1, t3 - t2, time.perf_counter() - t3)
+        self.timing = StepTiming(transfer=packed + t2 - t1, launch=time.perf_counter() - t2)
         return out
+
+    def collect(self, out: Any) -> Any:
+        """Wait for a dispatched step's outputs and bring them to the host."""
+        t0 = time.perf_counter()
+        jax.block_until_ready(out)
+        t1 = time.perf_counter()
+        out = jax.tree.map(to_host, out)
+        self.timing.wait, self.timing.fetch = t1 - t0, time.perf_counter() - t1
+        return out
+
+    def run(self, kind: str, batch: StepBatch, phase: str | None = None) -> Any:
+        """dispatch, then collect at once."""
+        return self.collect(self.dispatch(kind, batch, phase))
 
     def compile(self, kind: str, batch: StepBatch) -> jax.stages.Compiled:
         """The executable of `kind` for the batch's bucket shape, compiled ahead of time on first use (timed
@@ -191,10 +221,14 @@ class ModelRunner:
     def _tracing(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
-    def step(self, batch: StepBatch, phase: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    def step(self, batch: StepBatch, phase: str) -> Any:
+        """Dispatch a step; `collect_step` its outputs."""
+        return self.dispatch("step", batch, phase)
+
+    def collect_step(self, out: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """(sampled tokens [R, S], their log-probabilities [R, S, 1 + 2K], tokens routed to each expert
         [MoE layers, R, X] or None)."""
-        return self.run("step", batch, phase)
+        return self.collect(out)
 
     def score(self, batch: StepBatch) -> np.ndarray:
         """float32 logits [R, N, V] of every token of the batch."""

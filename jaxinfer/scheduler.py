@@ -18,6 +18,13 @@ scheduled until the token is back. New requests are spread over the P in-flight 
 1/P of the requests in each), so a burst does not fill one microbatch and leave the others empty. Only a
 request with nothing in flight is preempted; aborting one that is in flight is safe, because a page it
 frees is reused only by later microbatches, which reach every stage after it.
+
+Overlapped scheduling (`overlap=True`, one stage): the engine dispatches a step before the previous
+step's tokens reach the host, so a request that is about to sample is scheduled one decode ahead, its
+next token a placeholder that the device fills from the previous step's sampled tokens
+(`ScheduledSequence.feed`). Stop conditions are applied when the tokens come back, one step late: a
+request that stopped has its ahead token discarded. A request whose length limit is reached is not
+scheduled ahead, since its end is known.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ class Request:
     hashes: list[bytes] = dataclasses.field(default_factory=list)  # chained keys of its full pages so far
     computed: int = 0                            # tokens whose keys/values are in the cache
     scheduled: int = 0                           # tokens sent to the device (computed, or in flight)
+    unseen: int = 0                              # tokens sampled on the device, not yet back on the host
+    sampled_at: tuple[int, int] = (-1, -1)       # (schedule call, sequence index) of its latest sampling step
     cached_tokens: int = 0                       # prompt tokens served from the prefix cache (last admission)
     finish_reason: str | None = None
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
@@ -70,6 +79,11 @@ class Request:
     @property
     def text(self) -> str:
         return self.detokenizer.text if self.detokenizer is not None else ""
+
+    @property
+    def may_continue(self) -> bool:
+        """Its tokens in flight may leave room for more: its length limit is not reached by them."""
+        return len(self.output) + self.unseen < self.budget
 
     def add_token(self, token: int, logprobs: Sequence[float] | None = None) -> None:
         """Append a sampled token (with its log-probabilities from the sampler: its own, then K ids and K
@@ -105,6 +119,7 @@ class ScheduledSequence:
     seed: int
     samples: bool                # these tokens reach the end of what is known: sample the next one
     prefill: bool                # prompt (or recomputed) tokens, not a plain decode step
+    feed: int = -1               # overlap: the last token is the one the previous step sampled at this index
 
     @property
     def end(self) -> int:
@@ -133,8 +148,11 @@ class SchedulerOutput:
 class Scheduler:
     """The requests and pages of one dp replica."""
 
-    def __init__(self, pool: PagePool, max_seqs: int, max_tokens: int, stages: int = 1):
+    def __init__(self, pool: PagePool, max_seqs: int, max_tokens: int, stages: int = 1, overlap: bool = False):
+        assert not (overlap and stages > 1), "overlapped scheduling feeds tokens from the step just before"
         self.pool, self.max_seqs, self.max_tokens, self.stages = pool, max_seqs, max_tokens, stages
+        self.overlap = overlap
+        self.calls = 0                    # schedule() calls so far: the step a sampled token comes from
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.preemptions = 0
@@ -150,9 +168,9 @@ class Scheduler:
         """This step's work: running requests first, then admissions."""
         budget, scheduled, short = self.max_tokens, [], False
         for r in list(self.running):
-            if r not in self.running or budget == 0 or not r.pending:
+            if r not in self.running or budget == 0 or not self._pending(r):
                 continue
-            n = min(r.pending, budget)
+            n = min(self._pending(r), budget)
             while not self._grow(r, n):
                 victim = next((q for q in reversed(self.running) if not q.in_flight), None)
                 short = True
@@ -181,7 +199,16 @@ class Scheduler:
             budget -= n
         if scheduled:
             self._in_flight.append([r for r, _ in scheduled])
-        return SchedulerOutput([self._describe(r, n) for r, n in scheduled])
+        out = SchedulerOutput([self._describe(r, n, s) for s, (r, n) in enumerate(scheduled)])
+        self.calls += 1
+        return out
+
+    def _pending(self, r: Request) -> int:
+        """Tokens of r to send: the known ones not yet sent and, overlapped, the one the device is sampling
+        (unless r's length limit ends it there)."""
+        if self.overlap and r.unseen and r.may_continue:
+            return r.pending + r.unseen
+        return r.pending
 
     def update(self, output: SchedulerOutput, sampled: Sequence[int],
                logprobs: Sequence[Sequence[float]] | None = None) -> list[Request]:
@@ -198,6 +225,7 @@ class Scheduler:
                 continue
             self._computed(r, len(seq.token_ids))
             if seq.samples:
+                r.unseen -= 1
                 r.add_token(int(token), lp)
                 if r.finish_reason:
                     self.finish(r)
@@ -218,11 +246,21 @@ class Scheduler:
         elif r in self.waiting:
             self.waiting.remove(r)
 
-    def _describe(self, r: Request, n: int) -> ScheduledSequence:
-        """r's next n tokens (already counted as scheduled)."""
-        start = r.scheduled - n
-        return ScheduledSequence(r.id, r.tokens[start: r.scheduled], start, list(r.pages), r.params,
-                                 r.seed, samples=r.pending == 0, prefill=n > 1 or not r.output)
+    def _describe(self, r: Request, n: int, index: int) -> ScheduledSequence:
+        """r's next n tokens (already counted as scheduled), sequence `index` of this step's output. A token
+        the device has not handed back yet (overlap) is the placeholder 0, fed from the previous step."""
+        start, known = r.scheduled - n, r.tokens[r.scheduled - n: r.scheduled]
+        feed = -1
+        if len(known) < n:
+            call, feed = r.sampled_at
+            assert len(known) == n - 1 and call == self.calls - 1, "a token can only come from the step before"
+            known.append(0)
+        samples = r.pending == 0 and r.unseen == 0 or feed >= 0
+        if samples:
+            r.unseen += 1
+            r.sampled_at = (self.calls, index)
+        return ScheduledSequence(r.id, known, start, list(r.pages), r.params, r.seed, samples=samples,
+                                 prefill=feed < 0 and (n > 1 or not r.output), feed=feed)
 
     def _lookup_prefix(self, r: Request) -> None:
         """(Re)admission: take the pages the prefix cache holds for r's tokens, never its last token."""
@@ -256,4 +294,4 @@ class Scheduler:
 
     def _release(self, r: Request) -> None:
         self.pool.release(r.pages)
-        r.pages, r.hashes, r.computed, r.scheduled = [], [], 0, 0
+        r.pages, r.hashes, r.computed, r.scheduled, r.unseen = [], [], 0, 0, 0

@@ -25,9 +25,11 @@ class EngineStats:
     schedule_seconds: float = 0.0   # host: the schedulers pick the step's work
     pack_seconds: float = 0.0       # host: the work packed into bucketed arrays
     transfer_seconds: float = 0.0   # host: the arrays placed on the devices
-    device_seconds: float = 0.0     # device: dispatch until the step's outputs are ready
+    device_seconds: float = 0.0     # host: starting steps and waiting for their outputs
     fetch_seconds: float = 0.0      # host: tokens and log-probabilities back to the host
     update_seconds: float = 0.0     # host: tokens handed out (stop checks, detokenizing, stream callbacks)
+    wall_seconds: float = 0.0       # the steps' wall time (compilation excluded)
+    idle_seconds: float = 0.0       # of it, the device had no step to run (overlapped: an upper bound)
 
     @property
     def utilisation(self) -> float:
@@ -41,10 +43,10 @@ class EngineStats:
 
     @property
     def device_idle(self) -> float:
-        """Fraction of the steps' wall time the device waited for the host (the loop is synchronous: the
-        device is idle whenever the host works)."""
-        wall = self.host_seconds + self.device_seconds
-        return self.host_seconds / wall if wall else 0.0
+        """Fraction of the steps' wall time the device waited for the host. Synchronous: whenever the host
+        works. Overlapped: from the latest moment a step was seen running until the next was dispatched,
+        where it had finished by then."""
+        return self.idle_seconds / self.wall_seconds if self.wall_seconds else 0.0
 
     def copy(self) -> EngineStats:
         return dataclasses.replace(self)

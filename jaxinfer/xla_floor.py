@@ -1,0 +1,64 @@
+"""The XLA floor of a decode step: the engine's weights through a plain jitted forward of the same shapes.
+
+One token for each of the batch's sequences per call (embedding, every layer's projections, norms and MLP,
+the head on every token, the argmax fed back on the device), with no engine, no host work between calls,
+no KV cache and no attention (each layer's attention returns its queries). It is what the matmuls cost on
+this backend: an engine's decode step can only add to it (attention, sampling, host work), so
+engine tok/s / floor tok/s is the engine's efficiency.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.batch import GREEDY, pack
+from jaxinfer.engine import Engine
+from jaxinfer.kv_cache import PagedKVCache
+from jaxinfer.layers import StepContext, run_layers
+from jaxinfer.scheduler import ScheduledSequence, SchedulerOutput
+
+
+@dataclasses.dataclass(frozen=True)
+class WithoutAttention(StepContext):
+    """Attention returns its queries and leaves the cache alone: the layer's matmuls without attention."""
+
+    def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, layer: jax.Array,
+                  inv_freq: jax.Array) -> tuple[jax.Array, PagedKVCache]:
+        return q, cache
+
+
+def decode_floor(engine: Engine, batch: int, steps: int = 32) -> float | None:
+    """Decode tokens/s of `batch` sequences (spread over the replicas as the schedulers spread them) through
+    the plain forward, best of three timings of `steps` calls; None under a pipeline (pp > 1), whose
+    weights are laid out per stage."""
+    if engine.stages > 1:
+        return None
+    runner, replicas = engine.runner, len(engine.schedulers)
+    per = -(-batch // replicas)
+    seqs = [ScheduledSequence(str(i), [0], 0, [0], GREEDY, 0, samples=True, prefill=False) for i in range(per)]
+    meta = pack([SchedulerOutput(seqs)] * replicas, engine.config.page_size, engine.pages_per_replica,
+                sp=engine.sp).meta
+    replicated = jax.sharding.NamedSharding(engine.layout.mesh, jax.sharding.PartitionSpec())
+    meta, tokens = jax.device_put((meta, np.zeros((replicas, per), np.int32)), replicated)
+
+    @jax.jit
+    def forward(weights, cache, tokens, meta):
+        ctx = WithoutAttention(engine.layout, meta, runner.backend)
+        x = runner.model.embed(weights.embed, tokens, ctx)
+        x, _, _ = run_layers(runner.model.layer, weights.layers, x, cache, ctx)
+        return jnp.argmax(runner.model.head(weights.head, x, ctx), axis=-1).astype(jnp.int32)
+
+    tokens = forward(runner.weights, runner.cache, tokens, meta).block_until_ready()   # compile
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            tokens = forward(runner.weights, runner.cache, tokens, meta)
+        tokens.block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return batch * steps / best
