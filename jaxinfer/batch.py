@@ -92,10 +92,11 @@ def pack(outputs: list[SchedulerOutput], page_size: int, pool_pages: int,
             pos = np.arange(seq.start, seq.end)
             tokens[i, t: t + n] = seq.token_ids
             positions[i, t: t + n] = pos
-            slots[i, t: t + n] = np.asarray(seq.pages)[pos // P] * P + pos % P
+            pages = np.asarray(seq.pages)
+            slots[i, t: t + n] = pages[pos // P] * P + pos % P
             token_seq[i, t: t + n] = s
             feed[i, t + n - 1] = seq.feed
-            page_table[i, s, : len(seq.pages)] = seq.pages
+            page_table[i, s, : len(pages)] = pages
             seq_lens[i, s] = seq.end
             logits_index[i, s] = t + n - 1
             query_start[i, s + 1] = t + n

@@ -151,7 +151,7 @@ def serve(engine, work: Work) -> dict:
         running = [(i, r) for i, rep in enumerate(engine.schedulers) for r in rep.running]
         if running:
             held = sum(r.computed for _, r in running)
-            pages = len({(i, p) for i, r in running for p in r.pages})
+            pages = len({(i, p) for i, r in running for p in r.pages.tolist()})
             samples.append((held, pages, len(running)))
     duration = max(t for r, _ in requests for t in r.token_times) - t0
     return {"requests": requests, "duration": duration, "samples": samples, "stats": engine.stats - before,

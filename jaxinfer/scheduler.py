@@ -34,9 +34,13 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from jaxinfer.page_pool import PagePool, page_hashes
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.tokenizer import IncrementalDetokenizer
+
+NO_PAGES = np.zeros(0, np.int32)
 
 
 @dataclasses.dataclass(eq=False)
@@ -50,7 +54,8 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None
     on_token: Callable[[Request, int, str], None] | None = None
     output: list[int] = dataclasses.field(default_factory=list)
-    pages: list[int] = dataclasses.field(default_factory=list)
+    pages: np.ndarray = dataclasses.field(default_factory=lambda: NO_PAGES)  # int32: its page table, grown
+                                                 # by new arrays (a step's snapshot never changes)
     hashes: list[bytes] = dataclasses.field(default_factory=list)  # chained keys of its full pages so far
     computed: int = 0                            # tokens whose keys/values are in the cache
     scheduled: int = 0                           # tokens sent to the device (computed, or in flight)
@@ -65,6 +70,13 @@ class Request:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """tokens[start:end] without building the whole list (a decode step needs one token of it)."""
+        p = len(self.prompt)
+        if start >= p:
+            return self.output[start - p: end - p]
+        return self.prompt[start:end] + (self.output[: end - p] if end > p else [])
 
     @property
     def in_flight(self) -> bool:
@@ -114,7 +126,7 @@ class ScheduledSequence:
     request_id: str
     token_ids: list[int]
     start: int
-    pages: list[int]             # its page table: local page ids of the replica's pool
+    pages: np.ndarray            # int32: its page table, local page ids of the replica's pool
     params: SamplingParams
     seed: int
     samples: bool                # these tokens reach the end of what is known: sample the next one
@@ -249,7 +261,7 @@ class Scheduler:
     def _describe(self, r: Request, n: int, index: int) -> ScheduledSequence:
         """r's next n tokens (already counted as scheduled), sequence `index` of this step's output. A token
         the device has not handed back yet (overlap) is the placeholder 0, fed from the previous step."""
-        start, known = r.scheduled - n, r.tokens[r.scheduled - n: r.scheduled]
+        start, known = r.scheduled - n, r.token_slice(r.scheduled - n, r.scheduled)
         feed = -1
         if len(known) < n:
             call, feed = r.sampled_at
@@ -259,17 +271,17 @@ class Scheduler:
         if samples:
             r.unseen += 1
             r.sampled_at = (self.calls, index)
-        return ScheduledSequence(r.id, known, start, list(r.pages), r.params, r.seed, samples=samples,
+        return ScheduledSequence(r.id, known, start, r.pages, r.params, r.seed, samples=samples,
                                  prefill=feed < 0 and (n > 1 or not r.output), feed=feed)
 
     def _lookup_prefix(self, r: Request) -> None:
         """(Re)admission: take the pages the prefix cache holds for r's tokens, never its last token."""
-        if r.pages:
+        if len(r.pages):
             return
         P = self.pool.page_size
         full = (len(r.tokens) - 1) // P
         hashes = page_hashes(r.tokens[: full * P], P)
-        r.pages = self.pool.lookup(hashes)
+        r.pages = np.asarray(self.pool.lookup(hashes), np.int32)
         r.hashes = hashes[: len(r.pages)]
         r.computed = r.scheduled = r.cached_tokens = len(r.pages) * P
 
@@ -279,7 +291,8 @@ class Scheduler:
         pages = self.pool.allocate(need, first=len(r.pages)) if need > 0 else []
         if pages is None:
             return False
-        r.pages += pages
+        if pages:
+            r.pages = np.concatenate([r.pages, np.asarray(pages, np.int32)])
         return True
 
     def _computed(self, r: Request, n: int) -> None:
@@ -287,11 +300,11 @@ class Scheduler:
         r.computed += n
         P, done = self.pool.page_size, len(r.hashes)
         if (done + 1) * P <= r.computed:
-            new = page_hashes(r.tokens[done * P: r.computed], P, r.hashes[-1] if r.hashes else None)
-            for page, h in zip(r.pages[done:], new, strict=False):
+            new = page_hashes(r.token_slice(done * P, r.computed), P, r.hashes[-1] if r.hashes else None)
+            for page, h in zip(r.pages[done:].tolist(), new, strict=False):
                 self.pool.register(page, h)
             r.hashes += new
 
     def _release(self, r: Request) -> None:
-        self.pool.release(r.pages)
-        r.pages, r.hashes, r.computed, r.scheduled, r.unseen = [], [], 0, 0, 0
+        self.pool.release(r.pages.tolist())
+        r.pages, r.hashes, r.computed, r.scheduled, r.unseen = NO_PAGES, [], 0, 0, 0

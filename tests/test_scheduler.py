@@ -37,11 +37,11 @@ def test_schedule_describes_the_work_plainly():
     first = s.schedule()
     [seq] = first.sequences
     assert (seq.request_id, seq.token_ids, seq.start, seq.end) == ("a", list(range(10, 18)), 0, 8)
-    assert seq.pages == [0, 1] and not seq.samples and seq.prefill          # a chunk of 8: budget
+    assert seq.pages.tolist() == [0, 1] and not seq.samples and seq.prefill          # a chunk of 8: budget
     assert s.update(first, [99]) == [] and r.output == []                   # nothing sampled mid-prompt
     second = s.schedule()
     [seq] = second.sequences
-    assert (seq.token_ids, seq.start, seq.samples, seq.pages) == (list(range(18, 21)), 8, True, [0, 1, 2])
+    assert (seq.token_ids, seq.start, seq.samples, seq.pages.tolist()) == (list(range(18, 21)), 8, True, [0, 1, 2])
     s.update(second, [5])
     [seq] = s.schedule().sequences                                          # a decode step
     assert (seq.token_ids, seq.start, seq.samples, seq.prefill) == ([5], 11, True, False)
@@ -64,7 +64,7 @@ def test_max_seqs_limits_admission():
         s.add(request(f"r{i}", [i + 1] * 2, budget=3))
     out = s.schedule()
     assert [q.request_id for q in out.sequences] == ["r0", "r1"] and [r.id for r in s.waiting] == ["r2"]
-    assert s.waiting[0].pages == []
+    assert len(s.waiting[0].pages) == 0
 
 
 def test_newest_running_request_is_preempted_first_and_requeued_in_front():
@@ -80,7 +80,7 @@ def test_newest_running_request_is_preempted_first_and_requeued_in_front():
     assert s.preemptions == 0
     out, _ = step(s)
     assert s.preemptions == 1 and [r.id for r in s.running] == ["old", "mid"]
-    assert list(s.waiting) == [new, late] and new.pages == [] and new.computed == 0
+    assert list(s.waiting) == [new, late] and len(new.pages) == 0 and new.computed == 0
     assert [q.request_id for q in out.sequences] == ["old", "mid"]   # new's two pages went to them
     run(s)
     assert all(len(r.output) == r.budget for r in (old, mid, new, late))
@@ -101,7 +101,7 @@ def test_a_request_that_is_not_admitted_holds_no_pages():
     s.add(a)
     step(s)                                     # b takes the last free page; a finds its 2 cached pages but
     assert list(s.waiting) == [a]               # not the 3 more it needs: it is not admitted ...
-    assert a.pages == [] and a.computed == 0    # ... and holds nothing
+    assert len(a.pages) == 0 and a.computed == 0    # ... and holds nothing
     assert len(s.pool.evictable) == 2
     run(s)                                      # b is preempted later and must find pages: no stall
     assert len(b.output) == 8 and len(a.output) == 2 and s.pool.available == 7
@@ -137,7 +137,7 @@ def test_finish_and_abort_return_every_page():
     step(s)
     assert s.pool.available == 8 - 3 - 1
     s.finish(a)                                 # an abort
-    assert a.pages == [] and a not in s.running
+    assert len(a.pages) == 0 and a not in s.running
     run(s)
     assert s.pool.available == 8
 

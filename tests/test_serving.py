@@ -119,7 +119,7 @@ def test_abort_returns_pages_at_once(single):
     other = engine.add_request(list(range(100, 120)), SamplingParams(max_tokens=3, **GREEDY))
     engine.step()
     engine.step()
-    assert free_pages(single)[0] < total and r.pages
+    assert free_pages(single)[0] < total and len(r.pages)
     assert engine.abort(r.id) and r.finish_reason == "abort"
     assert not engine.abort(r.id)                               # unknown now
     while engine.has_unfinished():
