@@ -4,6 +4,7 @@
     python -m jaxinfer.bench --mesh tp=2 --json       # one JSON object on stdout
     python -m jaxinfer.bench --model /ckpt/Llama-3.2-1B --batch 1 4 --prompt-len 512 --dtype bfloat16
     python -m jaxinfer.bench --preset moe --mesh ep=4   # random-weight ~97M Mixtral (BENCH_MOE_100M), batch 8
+    python -m jaxinfer.bench --preset long --prompt-len 8192   # a small Llama with a 16k context (BENCH_LONG)
 
 Why each number is what it is:
 - Timings come from Engine.stats (compilation excluded). Each batch size gets one warm-up generate with
@@ -83,6 +84,7 @@ GB = 1e9
 PRESETS = {  # --preset: (name of the random checkpoint in the cache, name of the config in random_model)
     "dense": ("bench-100m-random-llama", "BENCH_100M"),
     "moe": ("bench-moe-100m-random-mixtral", "BENCH_MOE_100M"),
+    "long": ("bench-long-random-llama", "BENCH_LONG"),   # 16k context: host work at long context
 }
 A2A_FORMULA = ("all-to-all bytes per token per MoE layer = all-to-all bytes per device * devices / real tokens of "
                "the step / MoE layers; analytical = top_k*hidden*dtype_bytes*2 (dispatch + combine)")
