@@ -518,6 +518,8 @@ def run(args: argparse.Namespace) -> int:
         import jax
 
         jax.config.update("jax_platforms", "cpu")
+        # its figures mean nothing, so compile without optimisation passes (as the test suite does)
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
     report = Report(Path(args.outdir), plan)
     clock = Clock(plan.budgets, args.budget_scale)
     report.data["budgets_s"] = dict(clock.budgets)
