@@ -127,6 +127,33 @@ def memory_bandwidth(mib: int = 256, repeats: int = 5) -> float:
     return 2 * src.nbytes / best / GB
 
 
+def device_bandwidth(device=None, mib: int = 2048, repeats: int = 10) -> dict:
+    """One device's memory bandwidth in GB/s, best over repeats: an elementwise copy (x + 1 into a new
+    buffer: read + write bytes) and a sum (read bytes) of a float32 buffer of `mib` MiB, made on the device.
+    Calls are queued back to back and waited for once, so dispatch overlaps the device's work.
+    "gbps" = the better of the two, the figure MBU divides by."""
+    import jax
+    import jax.numpy as jnp
+
+    device = device or jax.devices()[0]
+    n = mib * 2**20 // 4
+    x = jax.jit(lambda: jnp.ones(n, jnp.float32), out_shardings=jax.sharding.SingleDeviceSharding(device))()
+    figures = {}
+    for name, fn, bytes_moved in (("copy", lambda x: x + 1, 2 * 4 * n), ("read", jnp.sum, 4 * n)):
+        f = jax.jit(fn)
+        f(x).block_until_ready()                                  # compiled and warm
+        best = math.inf
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                y = f(x)
+            y.block_until_ready()
+            best = min(best, (time.perf_counter() - t0) / repeats)
+        figures[f"{name}_gbps"] = bytes_moved / best / GB
+    x.delete()
+    return {**figures, "gbps": max(figures.values()), "buffer_mib": mib, "device_kind": device.device_kind}
+
+
 def weight_bytes_read(llm) -> int:
     """W: bytes of every parameter shard on every device (a replicated weight counts once per copy)."""
     from jaxinfer.sharding import device_bytes

@@ -228,11 +228,15 @@ def load(args: argparse.Namespace):
     path = ensure(name, cfg) if args.model is None else args.model
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     llm = LLM(path, mesh=args.mesh, dtype=dtype, engine_config=EngineConfig.from_cli_args(args))
-    capacity = llm.engine.pages_per_replica * args.page_size
-    if max_len > min(llm.config.context_length, capacity):
-        raise ValueError(f"max prompt + output length {max_len} exceeds the context limit "
-                         f"{llm.config.context_length} or the {capacity}-token page pool; shorten the ranges")
+    check_fits(llm, max_len)
     return llm, f"{name} (random weights)" if args.model is None else str(llm.path)
+
+
+def check_fits(llm, max_len: int) -> None:
+    """The longest request (max prompt + max output length) within the context and one replica's page pool."""
+    if max_len > min(llm.config.context_length, llm.engine.capacity):
+        raise ValueError(f"max prompt + output length {max_len} exceeds the context limit {llm.config.context_length} "
+                         f"or the {llm.engine.capacity}-token page pool; shorten the ranges")
 
 
 def describe(llm, label: str, args: argparse.Namespace) -> dict:
@@ -240,7 +244,7 @@ def describe(llm, label: str, args: argparse.Namespace) -> dict:
     import jax.numpy as jnp
 
     return {
-        "model": str(llm.path), "random_weights": args.model is None, "label": label,
+        "model": llm.source, "random_weights": args.model is None, "label": label,
         "num_params": llm.config.num_params(), "dtype": jnp.dtype(llm.dtype).name, "mesh": str(llm.mesh_config),
         "platform": llm.layout.mesh.devices.flat[0].platform, "attention_backend": llm.engine.runner.backend,
         **describe_workload(args),
@@ -255,7 +259,13 @@ def describe_workload(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     """Warm-up pass, measured pass, and the report (the --json output)."""
-    llm, label = load(args)
+    return measure_serving(*load(args), args)
+
+
+def measure_serving(llm, label: str, args: argparse.Namespace) -> dict:
+    """run() on an LLM already made (e.g. LLM.random, whose engine knobs should be those of `args`): the
+    workload and seed of `args`."""
+    check_fits(llm, check_args(args))
     engine, max_len = llm.engine, args.prompt_len_range[1] + args.output_len_range[1]
     vocab = llm.config.vocab_size
     t, passes = time.perf_counter(), warmup_passes(args)

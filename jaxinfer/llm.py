@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -33,6 +34,14 @@ log = logging.getLogger("jaxinfer")
 Prompt = str | list[int]
 
 
+def _engine_config(config: EngineConfig | None, fields: dict) -> EngineConfig:
+    """The serving knobs (checked when made); JAX's persistent compilation cache turned on if they say so."""
+    config = dataclasses.replace(config or EngineConfig(), **fields)
+    if config.compilation_cache:
+        enable_compilation_cache()
+    return config
+
+
 def resolve_dtype(dtype: str, cfg: ModelConfig):
     """"auto" serves in the checkpoint's own dtype."""
     name = cfg.checkpoint_dtype if dtype == "auto" else dtype
@@ -48,30 +57,58 @@ class LLM:
                  engine_config: EngineConfig | None = None, **engine_args):
         """engine_config (or its fields as keyword arguments, e.g. num_pages=64): the serving knobs.
         Everything is checked before any weight is read."""
-        engine_config = dataclasses.replace(engine_config or EngineConfig(), **engine_args)
-        if engine_config.compilation_cache:
-            enable_compilation_cache()
-        self.path = Path(model)
-        self.config = ModelConfig.from_dir(self.path)
+        engine_config = _engine_config(engine_config, engine_args)
+        self.path: Path | None = Path(model)
+        self._check(ModelConfig.from_dir(self.path), mesh, dtype)
+        checkpoint = Checkpoint(self.path)
+        try:
+            tokenizer: Tokenizer | None = Tokenizer.from_dir(self.path)
+        except TokenizerError:
+            tokenizer = None  # token-id prompts still work
+        self._start(engine_config, tokenizer, lambda specs: load_params(checkpoint, specs, self.layout.sharding,
+                                                                        self.dtype))
+
+    @classmethod
+    def random(cls, config: ModelConfig | dict, mesh: str | MeshConfig = "", dtype: str = "auto", seed: int = 0,
+               engine_config: EngineConfig | None = None, **engine_args) -> LLM:
+        """A model of `config`'s shape (a ModelConfig or a config.json dict) with random weights drawn on the
+        devices, each array made in its sharding (jaxinfer.random_model.random_params): nothing is written to
+        or read from disk, nor held on the host. No tokenizer: prompts are token ids. `path` is None."""
+        from jaxinfer.random_model import random_params
+
+        engine_config = _engine_config(engine_config, engine_args)
+        llm = cls.__new__(cls)
+        llm.path = None
+        llm._check(config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config), mesh, dtype)
+        llm._start(engine_config, None, lambda specs: random_params(specs, llm.layout.sharding, llm.dtype, seed))
+        return llm
+
+    def _check(self, config: ModelConfig, mesh: str | MeshConfig, dtype: str) -> None:
+        """The model against the mesh and the devices, and the serving dtype: before any weight exists."""
+        self.config = config
         self.mesh_config = MeshConfig.parse(mesh)
         validate(self.config, self.mesh_config)
         self.mesh_config.check_devices(len(jax.devices()))
         self.dtype = resolve_dtype(dtype, self.config)
-        checkpoint = Checkpoint(self.path)
-        try:
-            self.tokenizer: Tokenizer | None = Tokenizer.from_dir(self.path)
-        except TokenizerError:
-            self.tokenizer = None  # token-id prompts still work
+
+    def _start(self, engine_config: EngineConfig, tokenizer: Tokenizer | None,
+               make_weights: Callable[[Weights], Weights]) -> None:
+        """The weights (`make_weights` turns the ParamSpec tree into arrays), the engine and its loop."""
+        self.tokenizer = tokenizer
         self.layout = Layout(self.mesh_config.make())
         self.model = model_for(self.config)
         specs = self.model.weights(kv_repeat=kv_head_repeat(self.config, self.layout.axis_size("kv_heads")),
                                    vocab_multiple=self.layout.axis_size("vocab"))
         specs = split_stages(specs, self.config.num_layers, self.layout.axis_size("layers"))
-        weights = load_params(checkpoint, specs, self.layout.sharding, self.dtype)
-        self.engine = Engine(self.model, self.layout, weights, self.dtype, engine_config, self.tokenizer)
+        self.engine = Engine(self.model, self.layout, make_weights(specs), self.dtype, engine_config, self.tokenizer)
         self.loop = EngineLoop(self.engine)
-        log.info("loaded %s (%s) on mesh %s in %s", self.path, self.config.architecture, self.mesh_config,
+        log.info("loaded %s (%s) on mesh %s in %s", self.source, self.config.architecture, self.mesh_config,
                  jnp.dtype(self.dtype).name)
+
+    @property
+    def source(self) -> str:
+        """Where the weights came from: the checkpoint directory, or "random weights"."""
+        return str(self.path) if self.path is not None else "random weights"
 
     @property
     def weights(self) -> Weights:
@@ -84,7 +121,7 @@ class LLM:
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise TokenizerError(f"{self.path} has no tokenizer.json: pass prompts as lists of token ids")
+                raise TokenizerError(f"{self.source} has no tokenizer.json: pass prompts as lists of token ids")
             return self.tokenizer.encode(prompt)
         if not all(isinstance(t, int | np.integer) for t in prompt):
             raise TypeError("a prompt is a string or a list of integer token ids")
@@ -113,7 +150,7 @@ class LLM:
              params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
         """Applies the checkpoint's chat template to one conversation (or a list of them) and generates."""
         if self.tokenizer is None:
-            raise TokenizerError(f"{self.path} has no tokenizer.json, so no chat template")
+            raise TokenizerError(f"{self.source} has no tokenizer.json, so no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([self.tokenizer.chat_ids(c) for c in conversations], params)
 

@@ -1,12 +1,16 @@
-"""Random-weight Hugging Face checkpoints that jaxinfer writes itself: the launcher's embedded default
-model and the benchmark's ~100M model. They go through the same loader as any real checkpoint."""
+"""Random-weight models. Hugging Face checkpoints that jaxinfer writes itself (the launcher's embedded
+default model and the benchmark's ~100M model), which go through the same loader as any real checkpoint;
+and weights drawn directly on the devices (`random_params`, behind `LLM.random`), for shapes too large to
+write out, such as LLAMA3_8B."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -40,6 +44,13 @@ BENCH_MOE_100M = {**DEFAULT, "architectures": ["MixtralForCausalLM"], "model_typ
                   "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 8,
                   "num_key_value_heads": 4, "num_local_experts": 8, "num_experts_per_tok": 2,
                   "max_position_embeddings": 2048, "tie_word_embeddings": False}
+
+
+# Llama-3-8B's shape (Meta-Llama-3-8B config.json); served with random weights made on the devices, never on disk.
+LLAMA3_8B = {**DEFAULT, "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "max_position_embeddings": 8192, "rope_theta": 500000.0, "bos_token_id": 128000,
+             "eos_token_id": 128001, "pad_token_id": None, "torch_dtype": "bfloat16"}
 
 
 def cache_dir() -> Path:
@@ -77,6 +88,57 @@ def write_random_checkpoint(path: str | Path, config: dict, seed: int = 0) -> Pa
             "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
             "{% if add_generation_prompt %}<s>assistant:{% endif %}")
     return path
+
+
+def random_params(specs: Any, sharding_of: Callable, dtype, seed: int = 0) -> Any:
+    """The pytree of ParamSpec as sharded arrays drawn on the devices: jax.random inside one jit whose
+    out_shardings are the specs' shardings, so each device makes its own shards and nothing passes through
+    the host. The statistics of write_random_checkpoint: norm weights 1, the rest normal with std
+    1 / sqrt(the Hugging Face tensor's last dim); KV heads replicated for tp are copies, and vocabulary
+    padding and the padding slots of a pipeline stage are zeros, as the checkpoint loader makes them."""
+    import jax
+
+    from jaxinfer.checkpoint import named_specs
+
+    spec_list = [spec for _, spec in named_specs(specs)]
+
+    def draw(key):
+        return [_random_array(spec, dtype, jax.random.fold_in(key, i)) for i, spec in enumerate(spec_list)]
+
+    arrays = jax.jit(draw, out_shardings=[sharding_of(spec.axes) for spec in spec_list])(jax.random.key(seed))
+    return jax.tree.unflatten(jax.tree.structure(specs, is_leaf=_is_spec), arrays)
+
+
+def _is_spec(x: Any) -> bool:
+    from jaxinfer.checkpoint import ParamSpec
+
+    return isinstance(x, ParamSpec)
+
+
+def _random_array(spec, dtype, key):
+    """One weight of `spec`'s shape (traced inside jit)."""
+    import jax
+    import jax.numpy as jnp
+
+    depth = spec.stack_depth
+    shape = list(spec.shape)
+    axis, times = spec.repeat
+    shape[depth + axis] //= times                       # one copy of each replicated KV head
+    if spec.pad is not None:
+        shape[depth + spec.pad[0]] = spec.pad[1]        # the real vocabulary
+    if spec.hf.endswith("norm.weight"):
+        x = jnp.ones(shape, dtype)
+    else:
+        x = (jax.random.normal(key, shape, dtype) * (1.0 / np.sqrt(spec.hf_shape[-1]))).astype(dtype)
+    x = jnp.repeat(x, times, axis=depth + axis)
+    if spec.pad is not None:
+        widths = [(0, 0)] * x.ndim
+        widths[depth + spec.pad[0]] = (0, spec.shape[depth + spec.pad[0]] - spec.pad[1])
+        x = jnp.pad(x, widths)
+    if spec.layer_ids is not None and None in spec.layer_ids:   # a stage's padding slots hold no layer
+        real = jnp.asarray([i is not None for i in spec.layer_ids])
+        x = jnp.where(real.reshape(-1, *[1] * (x.ndim - 1)), x, 0)
+    return x
 
 
 def ensure(name: str, config: dict) -> Path:

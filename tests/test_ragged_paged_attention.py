@@ -1,5 +1,6 @@
 """Ragged paged attention: the jnp reference against a dense per-sequence attention, the Pallas kernel
-(interpret mode) against the reference, and the kernel cross-lowered for CUDA on an abstract H100."""
+against the reference (compiled through Triton on a GPU, interpret mode elsewhere), and the kernel
+cross-lowered for CUDA on an abstract H100."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from jaxinfer.pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
+
+INTERPRET = jax.default_backend() != "gpu"   # JAX_PLATFORMS=cuda runs the kernel for real
+pytestmark = pytest.mark.usefixtures("float32_dots_exact")
 
 
 @dataclasses.dataclass
@@ -96,7 +100,7 @@ def run_reference(inp: dict, sm_scale: float, return_lse: bool = False):
 
 
 def run_kernel(inp: dict, sm_scale: float, block_q: int | None, return_lse: bool = False):
-    f = functools.partial(ragged_paged_attention, sm_scale=sm_scale, block_q=block_q, interpret=True,
+    f = functools.partial(ragged_paged_attention, sm_scale=sm_scale, block_q=block_q, interpret=INTERPRET,
                           return_lse=return_lse)
     return jax.jit(f)(*(inp[a] for a in ARGS))
 

@@ -1,5 +1,6 @@
-"""Fused RoPE + paged KV-cache write: reference vs numpy and the HF formula, kernel (interpret) vs reference,
-in-place pool update under donation, and cross-lowering of the Triton kernel for an H100 on CPU."""
+"""Fused RoPE + paged KV-cache write: reference vs numpy and the HF formula, kernel vs reference (compiled
+through Triton on a GPU, interpret mode elsewhere), in-place pool update under donation, and cross-lowering
+of the Triton kernel for an H100 on CPU."""
 
 import json
 import re
@@ -10,6 +11,9 @@ import numpy as np
 import pytest
 
 from jaxinfer.pallas_kernels.rope_cache import rope_and_write, rope_and_write_reference
+
+INTERPRET = jax.default_backend() != "gpu"   # JAX_PLATFORMS=cuda runs the kernel for real
+pytestmark = pytest.mark.usefixtures("float32_dots_exact")
 
 KV, L, NUM_PAGES, P = 2, 2, 5, 4
 SENTINEL = NUM_PAGES * P
@@ -91,7 +95,7 @@ def test_kernel_matches_reference(dtype, group):
     layer = group % 2
     args = (*map(jnp.asarray, (q, k, v, kp, vp)), jnp.int32(layer), pos, slots, inv)
     want = jax.jit(rope_and_write_reference)(*args)
-    got = rope_and_write(*args, block_tokens=4, interpret=True)
+    got = rope_and_write(*args, block_tokens=4, interpret=INTERPRET)
     for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape
         g32, w32 = np.asarray(g).astype(np.float32), np.asarray(w).astype(np.float32)
@@ -117,7 +121,7 @@ def test_rope_matches_hf_formula(head_dim, hf_tiny):
     slots = np.arange(n, dtype=np.int32)
     want_q, want_k = hf_rope(q, pos, inv), hf_rope(k, pos, inv)
     for fn in (jax.jit(rope_and_write_reference),
-               lambda *a: rope_and_write(*a, block_tokens=64, interpret=True)):
+               lambda *a: rope_and_write(*a, block_tokens=64, interpret=INTERPRET)):
         q_rot, kp, _ = fn(q, k, k, pools, pools, 0, pos, slots, jnp.asarray(inv))
         np.testing.assert_allclose(np.asarray(q_rot), want_q, rtol=0, atol=2e-6)
         np.testing.assert_allclose(np.asarray(kp).reshape(-1, d)[:n], want_k[:, 0], rtol=0, atol=2e-6)
@@ -130,7 +134,7 @@ def test_pool_updated_in_place_when_donated():
         return (*map(jnp.asarray, (q, k, v, kp, vp)), jnp.int32(1), pos, slots, inv)
 
     def kernel(*a):
-        return rope_and_write(*a, block_tokens=4, interpret=True)
+        return rope_and_write(*a, block_tokens=4, interpret=INTERPRET)
 
     pool_shape = f"f32[{L},{KV},{NUM_PAGES},{P},8]"
     for fn in (rope_and_write_reference, kernel):
