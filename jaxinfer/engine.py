@@ -234,14 +234,18 @@ class Engine:
         s.wall_seconds += seconds
         if not self.overlap:
             s.idle_seconds += seconds - self.runner.timing.launch - self.runner.timing.wait
+        timed = due or new          # overlapped, the first step of a run has nothing to hand out yet
+        if timed is not None:
+            if timed.prefill:
+                s.prefill_seconds += seconds
+            else:
+                s.decode_seconds += seconds
         if due is not None:
             s.steps += 1
             if due.prefill:
                 s.prefill_steps += 1
-                s.prefill_seconds += seconds
             else:
                 s.decode_steps += 1
-                s.decode_seconds += seconds
                 s.decode_tokens += sum(seq.samples for o in due.done or [] for seq in o.sequences)
         s.compile_seconds = self.runner.compile_seconds
         s.preemptions = sum(sch.preemptions for sch in self.schedulers)

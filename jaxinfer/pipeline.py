@@ -137,8 +137,9 @@ def _holds_only(stack: LayerStack, layers: tuple[int, ...]) -> bool:
 class PipelineRunner(ModelRunner):
     """A ModelRunner whose step is one pipeline call (see the module docstring)."""
 
-    def __init__(self, model: Model, layout: Layout, weights: Weights, cache: PagedKVCache, backend: str):
-        super().__init__(model, layout, weights, cache, backend)
+    def __init__(self, model: Model, layout: Layout, weights: Weights, cache: PagedKVCache, backend: str,
+                 max_seqs: int = 1):
+        super().__init__(model, layout, weights, cache, backend, max_seqs)
         self.stages = layout.axis_size("layers")
         self.stage_layout = layout.stage()
         self._moe_stacks = tuple(s for s in weights.layers if _holds_only(s, model.cfg.moe_layers))

@@ -46,19 +46,22 @@ def test_bench_json_counts(tmp_path, capsys):
         # decode step's activations are [b, hidden] float32 (each request on the one replica)
         ar = x["collectives"]["decode"]["all-reduce"]
         assert ar == {"count": 2 * cfg.num_layers + 1, "bytes": (2 * cfg.num_layers + 1) * b * cfg.hidden_size * f32}
-        # every part of a step was timed, and they add up: host work + device = the steps' wall time
+        # every part of a step was timed, and they add up to the steps' wall time (all but the bookkeeping)
         steps = x["decode_steps"] + 1      # one prefill step (16 tokens fit the step budget) and the decodes
         assert all(v > 0 for v in x["step_ms"].values()), x["step_ms"]
         host = sum(v for k, v in x["step_ms"].items() if k != "device")
-        assert math.isclose(x["host_ms_per_step"], host) and 0 < x["device_idle"] < 1
-        assert math.isclose(x["device_idle"], host / (host + x["step_ms"]["device"]))
-        assert (x["prefill_seconds"] + x["decode_seconds"]) * 1e3 / steps >= x["step_ms"]["device"]
+        wall = (x["prefill_seconds"] + x["decode_seconds"]) * 1e3 / steps
+        assert math.isclose(x["host_ms_per_step"], host) and 0 <= x["device_idle"] < 1
+        assert 0.8 * wall <= host + x["step_ms"]["device"] <= wall
+        # the XLA floor of the same decode shapes was measured, and the engine cannot beat it
+        assert 0 < x["of_floor"] < 1 and x["xla_floor_tokens_per_second"] > x["decode_tokens_per_second"]
     text = bench.readable(r).splitlines()
     for x in r["results"]:     # the table shows the JSON's figures, formatted as bench.readable formats them
         ar = x["collectives"]["decode"]["all-reduce"]
         assert f"batch {x['batch']}: decode step all-reduce {ar['count']} x, {ar['bytes']:,} bytes per device" in text
         row = next(line.split() for line in text if line.split()[:1] == [str(x["batch"])])
         assert row == [str(x["batch"]), f"{x['prefill_tokens_per_second']:.1f}", f"{x['decode_tokens_per_second']:.1f}",
+                       f"{x['xla_floor_tokens_per_second']:.1f}", f"{x['of_floor']:.1%}",
                        f"{x['decode_ms_per_token']:.2f}", f"{x['decode_bandwidth_gbps']:.2f}", f"{x['mbu']:.1%}",
                        f"{x['compile_seconds']:.1f}"]
     assert f"W = {expected_w / 2**20:.1f} MiB of weight shards read per step" in text[2]
