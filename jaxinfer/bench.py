@@ -392,7 +392,7 @@ def peer_lines(r: dict) -> list[str]:
                          f"{x['of_floor']:>7.2f}")
         for name, y in x["vs"].items():
             lines.append(f"{b:>5} {name:<12} {y['prefill_tokens_per_second']:>13.1f} "
-                         f"{y['decode_tokens_per_second']:>12.1f} {y['ratio']:>7.2f} {y['same_tokens']:>7}/{b:<3}")
+                         f"{y['decode_tokens_per_second']:>12.1f} {y['ratio']:>7.2f} {str(y['same_tokens']) + '/' + str(b):>11}")
     return lines
 
 
