@@ -391,8 +391,9 @@ def peer_lines(r: dict) -> list[str]:
             lines.append(f"{b:>5} {'XLA floor':<12} {'-':>13} {x['xla_floor_tokens_per_second']:>12.1f} "
                          f"{x['of_floor']:>7.2f}")
         for name, y in x["vs"].items():
+            same = f"{y['same_tokens']}/{b}"
             lines.append(f"{b:>5} {name:<12} {y['prefill_tokens_per_second']:>13.1f} "
-                         f"{y['decode_tokens_per_second']:>12.1f} {y['ratio']:>7.2f} {str(y['same_tokens']) + '/' + str(b):>11}")
+                         f"{y['decode_tokens_per_second']:>12.1f} {y['ratio']:>7.2f} {same:>11}")
     return lines
 
 
