@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxinfer.checkpoint import ParamSpec
+from jaxinfer.checkpoint import ParamSpec, Spec, is_spec
 from jaxinfer.sharding import Axes, Layout
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ class LayerStack:
 @struct.dataclass
 class Weights:
     """A model's weights: its embedding, its layer stacks in order, and its head (each the model's own
-    pytree). Leaves are ParamSpec before loading and sharded jax.Arrays after."""
+    pytree). Leaves are specs (ParamSpec, FusedSpec) before loading and sharded jax.Arrays after."""
 
     embed: Any
     layers: tuple[LayerStack, ...]
@@ -73,19 +73,20 @@ class Weights:
         return sum(s.slots for s in self.layers)
 
 
-def stacked(spec: ParamSpec, layer_ids: tuple[int, ...]) -> ParamSpec:
+def stacked(spec: Spec, layer_ids: tuple[int, ...]) -> Spec:
     """One layer's weight repeated over `layer_ids`, read from the checkpoint's {layer}-numbered tensors."""
-    return dataclasses.replace(spec, shape=(len(layer_ids), *spec.shape), axes=("layers", *spec.axes),
-                               layer_ids=layer_ids)
+    def stack(p: ParamSpec) -> ParamSpec:
+        return dataclasses.replace(p, shape=(len(layer_ids), *p.shape), axes=("layers", *p.axes), layer_ids=layer_ids)
+    return spec.map_parts(stack)
 
 
 def stack_layers(num_layers: int, kind: Callable[[int], Hashable],
                  layer: Callable[[Any], Any]) -> tuple[LayerStack, ...]:
-    """Group consecutive layers of equal `kind(i)` into stacks; `layer(kind)` gives one layer's ParamSpec tree."""
+    """Group consecutive layers of equal `kind(i)` into stacks; `layer(kind)` gives one layer's tree of specs."""
     stacks = []
     for k, run in itertools.groupby(range(num_layers), key=kind):
         ids = tuple(run)
-        specs = jax.tree.map(lambda s, ids=ids: stacked(s, ids), layer(k), is_leaf=lambda x: isinstance(x, ParamSpec))
+        specs = jax.tree.map(lambda s, ids=ids: stacked(s, ids), layer(k), is_leaf=is_spec)
         stacks.append(LayerStack(specs, first=ids[0]))
     return tuple(stacks)
 
