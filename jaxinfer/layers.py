@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxinfer.checkpoint import ParamSpec, Spec, is_spec
@@ -73,6 +74,14 @@ class Weights:
         return sum(s.slots for s in self.layers)
 
 
+def unfuse(y: jax.Array, widths: Sequence[int], axis: int) -> list[jax.Array]:
+    """The output of a matmul with a fused weight (jaxinfer.checkpoint.FusedSpec), [..., G, sum(widths), ...]
+    with its G blocks at `axis`, -> one array per part, [..., G * width, ...]. Block g's columns of a part
+    are column shard g of that part, so merging the blocks back needs no communication."""
+    parts = jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=axis + 1)
+    return [p.reshape(*p.shape[:axis], -1, *p.shape[axis + 2:]) for p in parts]
+
+
 def stacked(spec: Spec, layer_ids: tuple[int, ...]) -> Spec:
     """One layer's weight repeated over `layer_ids`, read from the checkpoint's {layer}-numbered tensors."""
     def stack(p: ParamSpec) -> ParamSpec:
@@ -117,12 +126,12 @@ class StepContext:
 
         return attention(q, k, v, cache, layer, inv_freq, self.meta, self.layout, self.backend)
 
-    def moe(self, x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, *,
+    def moe(self, x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array, *,
             top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
-        """Expert-parallel SwiGLU experts (jaxinfer.moe): (y [R, N, E], tokens per expert [R, X])."""
+        """Expert-parallel SwiGLU experts (jaxinfer.moe), gate and up fused: (y [R, N, E], tokens per expert [R, X])."""
         from jaxinfer.moe import moe
 
-        return moe(x, router, gate, up, down, self.valid, top_k=top_k, normalize=normalize, layout=self.layout)
+        return moe(x, router, gate_up, down, self.valid, top_k=top_k, normalize=normalize, layout=self.layout)
 
 
 LayerFn = Callable[[Any, jax.Array, "PagedKVCache", jax.Array, StepContext], tuple[jax.Array, "PagedKVCache", Any]]

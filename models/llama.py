@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from jaxinfer.checkpoint import FusedSpec, ParamSpec
 from jaxinfer.config import ConfigError, ModelConfig, decoder_fields
 from jaxinfer.kv_cache import PagedKVCache
-from jaxinfer.layers import ACTIVATIONS, StepContext, Weights, stack_layers
+from jaxinfer.layers import ACTIVATIONS, StepContext, Weights, stack_layers, unfuse
 from jaxinfer.models.base import Model, register
 
 LAYER = "model.layers.{layer}."
@@ -53,8 +51,7 @@ class MLP:
 @struct.dataclass
 class Experts:
     router: W           # [E, X]
-    gate: W             # [X, E, M]
-    up: W               # [X, E, M]
+    gate_up: W          # [X, E, G, 2 M / G]: block g = [gate, up columns of shard g]
     down: W             # [X, M, E]
 
 
@@ -81,13 +78,6 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return w * x32.astype(x.dtype)
-
-
-def unfuse(y: jax.Array, widths: Sequence[int], axis: int) -> list[jax.Array]:
-    """A fused projection's output, [..., G, sum(widths), ...] with G at `axis`, -> its parts, each
-    [..., G * width, ...]: block g's columns of a part are shard g's, so merging G back is local."""
-    parts = jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=axis + 1)
-    return [p.reshape(*p.shape[:axis], -1, *p.shape[axis + 2:]) for p in parts]
 
 
 def rope_frequencies(cfg: ModelConfig) -> jax.Array:
@@ -164,7 +154,7 @@ class Llama(Model):
         norm = lambda name: ParamSpec((E,), ("embed",), LAYER + name)  # noqa: E731
         return Layer(attn_norm=norm("input_layernorm.weight"), attn=self.attention_weights(kv_repeat, shards),
                      mlp_norm=norm("post_attention_layernorm.weight"),
-                     mlp=self.expert_weights() if moe else self.mlp_weights(shards))
+                     mlp=self.expert_weights(shards) if moe else self.mlp_weights(shards))
 
     def attention_weights(self, kv_repeat: int, shards: int) -> Attention:
         cfg = self.cfg
@@ -199,15 +189,16 @@ class Llama(Model):
                                                                   shards=shards)),
                    down_bias=_optional(cfg.mlp_bias, ParamSpec((E,), ("embed",), m + "down_proj.bias")))
 
-    def expert_weights(self) -> Experts:
+    def expert_weights(self, shards: int) -> Experts:
         cfg = self.cfg
         E, X, M = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         block = LAYER + self.experts_prefix
         expert = lambda name, shape, axes: ParamSpec(  # noqa: E731
             (X, *shape), ("experts", *axes), block + "experts.{expert}." + name + ".weight", perm=(1, 0))
         gate, up, down = self.expert_names
+        column = lambda name: expert(name, (E, M), ("embed", "mlp"))  # noqa: E731
         return Experts(router=ParamSpec((E, X), ("embed", None), block + "gate.weight", perm=(1, 0)),
-                       gate=expert(gate, (E, M), ("embed", "mlp")), up=expert(up, (E, M), ("embed", "mlp")),
+                       gate_up=FusedSpec((column(gate), column(up)), shards=shards),
                        down=expert(down, (M, E), ("mlp", "embed")))
 
     # ---- stage functions ---------------------------------------------------------------------------
@@ -244,7 +235,7 @@ class Llama(Model):
 
     def ffn(self, w: MLP | Experts, h: jax.Array, ctx: StepContext) -> tuple[jax.Array, jax.Array | None]:
         if isinstance(w, Experts):                                               # all-to-all over ep, twice
-            y, counts = ctx.moe(h, w.router, w.gate, w.up, w.down, top_k=self.cfg.experts_per_token,
+            y, counts = ctx.moe(h, w.router, w.gate_up, w.down, top_k=self.cfg.experts_per_token,
                                 normalize=self.cfg.norm_topk_prob)
             return ctx.constrain(y, ACTIVATIONS), counts
         return self.mlp(w, h, ctx), None

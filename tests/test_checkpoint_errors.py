@@ -451,6 +451,11 @@ def test_load_params_places_each_shard(hf_tiny):
         np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
 
 
+def all_tensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a checkpoint, from all its files."""
+    return {name: t for f in sorted(path.glob("*.safetensors")) for name, t in load_file(str(f)).items()}
+
+
 def hf_columns(tensors, name: str, heads: int, shard: int, shards: int) -> np.ndarray:
     """Shard `shard` of `shards` of a column-parallel HF projection [heads * D, E] (or bias [heads * D]), as
     its devices use it: [E, heads per shard, D] ([heads per shard, D]). Heads replicated for tp > heads: a
@@ -468,9 +473,7 @@ def test_fused_weights_hold_each_devices_columns(fixture, tp, hf_tiny):
     q, k, v (gate, up) column shards of the checkpoint, side by side."""
     path = hf_tiny / fixture
     cfg = ModelConfig.from_dir(path)
-    tensors = {}
-    for f in sorted(path.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
+    tensors = all_tensors(path)
     layout = Layout(MeshConfig(tp=tp).make())
     params = load_params(Checkpoint(path), weight_specs(cfg, kv_head_repeat(cfg, tp), tp), layout.sharding,
                          np.float32)
@@ -492,6 +495,32 @@ def test_fused_weights_hold_each_devices_columns(fixture, tp, hf_tiny):
                 want = np.concatenate([hf_columns(tensors, f"model.layers.{layer}.{name}", heads, g, tp)
                                        for name, heads in parts], axis=block_axis)
                 np.testing.assert_array_equal(got, want.reshape(got.shape), err_msg=f"{parts} on device {g}")
+
+
+@pytest.mark.parametrize("mesh", [MeshConfig(tp=2), MeshConfig(ep=2, tp=2)], ids=str)
+def test_fused_expert_weights_hold_each_devices_columns(mesh, hf_tiny):
+    """Mixtral's experts: each device's slice of the fused gate/up (w1/w3) weight is, for each of its experts,
+    that device's w1 and w3 column shards side by side."""
+    path = hf_tiny / "mixtral"
+    cfg = ModelConfig.from_dir(path)
+    tensors = all_tensors(path)
+    layout = Layout(mesh.make())
+    params = load_params(Checkpoint(path), weight_specs(cfg, kv_head_repeat(cfg, mesh.tp), mesh.tp),
+                         layout.sharding, np.float32)
+    [stack] = params.layers
+    gate_up, M = stack.weights.mlp.gate_up, cfg.moe_intermediate_size     # [L, X, E, G, 2M/G]
+    assert len(gate_up.addressable_shards) == mesh.size
+    for shard in gate_up.addressable_shards:
+        experts = range(*shard.index[1].indices(cfg.num_experts))
+        [g] = range(*shard.index[3].indices(mesh.tp))
+        assert len(experts) == cfg.num_experts // mesh.ep
+        for layer in range(cfg.num_layers):
+            for i, x in enumerate(experts):
+                name = f"model.layers.{layer}.block_sparse_moe.experts.{x}.{{}}.weight"
+                want = np.concatenate([hf_columns(tensors, name.format(w), M, g, mesh.tp) for w in ("w1", "w3")],
+                                      axis=1)
+                got = np.asarray(shard.data)[layer, i, :, 0]
+                np.testing.assert_array_equal(got, want.reshape(got.shape), err_msg=f"expert {x} on block {g}")
 
 
 def test_fused_weights_refuse_a_layout_of_other_shards(hf_tiny):
