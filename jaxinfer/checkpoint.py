@@ -224,7 +224,7 @@ class Checkpoint:
 
     def check(self, specs: Any) -> None:
         """Every tensor present with the shape the config implies, before anything is read or compiled.
-        specs: a pytree of ParamSpec (a model's Weights)."""
+        specs: a pytree of specs (a model's Weights)."""
         for key, spec in named_specs(specs):
             for part, name in ((p, n) for p in spec.parts for n in p.hf_names()):
                 if name not in self.where:
@@ -280,7 +280,6 @@ class Checkpoint:
             data = np.take(data, range(start, start + hi - lo), axis=axis)
         return data
 
-
     def _read_fused(self, spec: FusedSpec, index: tuple[slice, ...]) -> np.ndarray:
         """Each block of the slice: the parts' columns of that shard that fall in it, side by side."""
         d = spec.block_axis
@@ -298,6 +297,7 @@ class Checkpoint:
                 start += width
             blocks.append(np.concatenate(pieces, axis=d))
         return np.stack(blocks, axis=d)
+
 
     def _read_padded(self, spec: ParamSpec, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """Rows past the size on disk (a vocabulary padded to a multiple of tp) are zeros."""
@@ -325,8 +325,8 @@ def named_specs(specs: Any) -> list[tuple[str, Spec]]:
 
 
 def load_params(ckpt: Checkpoint, specs: Any, sharding_of: Callable, dtype) -> Any:
-    """The pytree of ParamSpec as sharded arrays; jax asks for each device's slice and only that slice is
-    read and cast."""
+    """The pytree of specs as sharded arrays; jax asks for each device's slice and only that slice is
+    read and cast (a fused weight's slice from its parts' tensors)."""
     ckpt.check(specs)
     named = named_specs(specs)
     arrays = []

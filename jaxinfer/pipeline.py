@@ -31,7 +31,7 @@ from flax import struct
 from jax.sharding import PartitionSpec
 
 from jaxinfer.batch import StepBatch, StepMetadata, bucket_shape, pack, ring_order
-from jaxinfer.checkpoint import is_spec
+from jaxinfer.checkpoint import ParamSpec, is_spec
 from jaxinfer.kv_cache import POOL_AXES, PagedKVCache
 from jaxinfer.layers import ACTIVATIONS, LayerStack, StepContext, Weights, run_layers
 from jaxinfer.models import Model
@@ -63,7 +63,8 @@ def split_stages(weights: Weights, num_layers: int, stages: int) -> Weights:
         width = max(map(len, held))
         slots = tuple(tuple(h + [None] * (width - len(h))) for h in held)
         flat = tuple(i for s in slots for i in s)
-        restack = lambda p, flat=flat: dataclasses.replace(p, shape=(len(flat), *p.shape[1:]), layer_ids=flat)  # noqa: E731
+        def restack(p: ParamSpec, flat=flat) -> ParamSpec:
+            return dataclasses.replace(p, shape=(len(flat), *p.shape[1:]), layer_ids=flat)
         specs = jax.tree.map(lambda s, restack=restack: s.map_parts(restack), stack.weights, is_leaf=is_spec)
         out.append(LayerStack(specs, first=first, stages=slots))
         first += width
