@@ -83,6 +83,72 @@ class ParamSpec:
         names = (self.hf_name(*ids) for ids in itertools.product(*map(range, self.shape[: self.stack_depth])))
         return [n for n in names if n is not None]
 
+    @property
+    def parts(self) -> tuple[ParamSpec, ...]:
+        """The checkpoint-backed specs this weight is read from: itself (see FusedSpec)."""
+        return (self,)
+
+    def map_parts(self, fn: Callable[[ParamSpec], ParamSpec]) -> ParamSpec:
+        return fn(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedSpec:
+    """Weights that one matmul reads together (q/k/v, gate/up), stored as one array, shard by shard.
+
+    Every part is column-parallel: split along `axis` (counted from the end, so stacking leading axes
+    leaves it in place) into `shards` equal blocks, one per device of the column split. Our array replaces
+    that axis by two, [shards, columns of one shard], block g holding [part 0's block g, part 1's block g,
+    ...]. Sharding the block axis as the parts' column axis was gives each device its own columns of every
+    part, contiguous: one matmul reads them all, and its output splits by `widths`, the same on every block.
+    """
+
+    parts: tuple[ParamSpec, ...]
+    axis: int = -1
+    shards: int = 1
+
+    def __post_init__(self):
+        first, a = self.parts[0], self.axis
+        for p in self.parts:
+            if p.shape[:a] != first.shape[:a] or p.shape[a + 1:] != first.shape[a + 1:]:
+                raise ValueError(f"fused parts {p.hf} {p.shape} and {first.hf} {first.shape} differ outside axis {a}")
+            if p.shape[a] % self.shards:
+                raise ValueError(f"{p.hf}: {p.shape[a]} columns do not split into {self.shards} shards")
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """Each part's columns in one shard's block."""
+        return tuple(p.shape[self.axis] // self.shards for p in self.parts)
+
+    @property
+    def block_axis(self) -> int:
+        """Our array's [shards] axis (the next one holds the columns of one block)."""
+        return len(self.parts[0].shape) + self.axis
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        s, d = self.parts[0].shape, self.block_axis
+        return (*s[:d], self.shards, sum(self.widths), *s[d + 1:])
+
+    @property
+    def axes(self) -> tuple[str | None, ...]:
+        a, d = self.parts[0].axes, self.block_axis
+        return (*a[:d], a[d], None, *a[d + 1:])
+
+    @property
+    def stack_depth(self) -> int:
+        return self.parts[0].stack_depth
+
+    @property
+    def layer_ids(self) -> tuple[int | None, ...] | None:
+        return self.parts[0].layer_ids
+
+    def map_parts(self, fn: Callable[[ParamSpec], ParamSpec]) -> FusedSpec:
+        return dataclasses.replace(self, parts=tuple(map(fn, self.parts)))
+
+
+Spec = ParamSpec | FusedSpec
+
 
 class SafetensorsFile:
     """One .safetensors file: header parsed and checked against the file size, data memory-mapped."""
@@ -158,18 +224,20 @@ class Checkpoint:
 
     def check(self, specs: Any) -> None:
         """Every tensor present with the shape the config implies, before anything is read or compiled.
-        specs: a pytree of ParamSpec (a model's Weights)."""
+        specs: a pytree of specs (a model's Weights)."""
         for key, spec in named_specs(specs):
-            for name in spec.hf_names():
+            for part, name in ((p, n) for p in spec.parts for n in p.hf_names()):
                 if name not in self.where:
                     raise CheckpointError(f"checkpoint {self.path} lacks tensor {name!r} (needed for {key})")
                 found = self.where[name].shape(name)
-                if found != spec.hf_shape:
+                if found != part.hf_shape:
                     raise CheckpointError(f"tensor {name!r} has shape {list(found)} but config.json implies "
-                                          f"{list(spec.hf_shape)}: config and weights do not match")
+                                          f"{list(part.hf_shape)}: config and weights do not match")
 
-    def read(self, spec: ParamSpec, index: tuple[slice, ...]) -> np.ndarray:
+    def read(self, spec: Spec, index: tuple[slice, ...]) -> np.ndarray:
         """Our-layout slice `index` of a parameter, reading only the rows it needs from each tensor."""
+        if isinstance(spec, FusedSpec):
+            return self._read_fused(spec, index)
         depth = spec.stack_depth
         if depth == 0:
             return self._read_one(spec, spec.hf, index)
@@ -212,6 +280,24 @@ class Checkpoint:
             data = np.take(data, range(start, start + hi - lo), axis=axis)
         return data
 
+    def _read_fused(self, spec: FusedSpec, index: tuple[slice, ...]) -> np.ndarray:
+        """Each block of the slice: the parts' columns of that shard that fall in it, side by side."""
+        d = spec.block_axis
+        lo, hi, step = index[d + 1].indices(sum(spec.widths))
+        if step != 1:
+            raise ValueError(f"fused weights are read in contiguous column ranges, not with step {step}")
+        blocks = []
+        for block in range(*index[d].indices(spec.shards)):
+            pieces, start = [], 0
+            for part, width in zip(spec.parts, spec.widths, strict=True):
+                a, b = max(lo, start), min(hi, start + width)
+                if a < b:
+                    cols = slice(block * width + a - start, block * width + b - start)
+                    pieces.append(self.read(part, (*index[:d], cols, *index[d + 2:])))
+                start += width
+            blocks.append(np.concatenate(pieces, axis=d))
+        return np.stack(blocks, axis=d)
+
 
     def _read_padded(self, spec: ParamSpec, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """Rows past the size on disk (a vocabulary padded to a multiple of tp) are zeros."""
@@ -227,28 +313,54 @@ class Checkpoint:
         return np.pad(data, widths)
 
 
-def _is_spec(x: Any) -> bool:
-    return isinstance(x, ParamSpec)
+def is_spec(x: Any) -> bool:
+    """A weight's spec: the leaf of a model's weights before loading."""
+    return isinstance(x, ParamSpec | FusedSpec)
 
 
-def named_specs(specs: Any) -> list[tuple[str, ParamSpec]]:
-    """(path, spec) of every ParamSpec leaf, e.g. ("layers.0.weights.attn.q", spec)."""
-    leaves = jax.tree_util.tree_leaves_with_path(specs, is_leaf=_is_spec)
+def named_specs(specs: Any) -> list[tuple[str, Spec]]:
+    """(path, spec) of every spec leaf, e.g. ("layers.0.weights.attn.qkv", spec)."""
+    leaves = jax.tree_util.tree_leaves_with_path(specs, is_leaf=is_spec)
     return [(jax.tree_util.keystr(path, simple=True, separator="."), spec) for path, spec in leaves]
 
 
 def load_params(ckpt: Checkpoint, specs: Any, sharding_of: Callable, dtype) -> Any:
-    """The pytree of ParamSpec as sharded arrays; jax asks for each device's slice and only that slice is
-    read and cast."""
+    """The pytree of specs as sharded arrays; jax asks for each device's slice and only that slice is
+    read and cast (a fused weight's slice from its parts' tensors)."""
     ckpt.check(specs)
     named = named_specs(specs)
     arrays = []
     for i, (key, spec) in enumerate(named):
         _progress(i, len(named), key)
+        if isinstance(spec, FusedSpec):
+            check_fused(key, spec, sharding_of)
         arrays.append(jax.make_array_from_callback(spec.shape, sharding_of(spec.axes),
                                                    lambda idx, spec=spec: ckpt.read(spec, idx).astype(dtype)))
     _progress(len(named), len(named), "done")
-    return jax.tree.unflatten(jax.tree.structure(specs, is_leaf=_is_spec), arrays)
+    return jax.tree.unflatten(jax.tree.structure(specs, is_leaf=is_spec), arrays)
+
+
+def check_fused(key: str, spec: FusedSpec, sharding_of: Callable) -> None:
+    """A fused weight is right only if its blocks are exactly the shards its parts would have had."""
+    d = spec.block_axis
+    sharding = sharding_of(spec.axes)
+    split = _splits(sharding, d)
+    if split != spec.shards:
+        raise ValueError(f"{key} is stored in {spec.shards} column blocks, but the layout splits them {split} ways: "
+                         f"build the weights with the layout's column shards")
+    for part in spec.parts:
+        if _mesh_axes(sharding_of(part.axes), d) != _mesh_axes(sharding, d):
+            raise ValueError(f"{key}: part {part.hf} is split over {_mesh_axes(sharding_of(part.axes), d)}, the "
+                             f"fused weight over {_mesh_axes(sharding, d)}: fused parts must share their column split")
+
+
+def _mesh_axes(sharding: jax.sharding.NamedSharding, dim: int) -> tuple[str, ...]:
+    entry = sharding.spec[dim] if dim < len(sharding.spec) else None
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _splits(sharding: jax.sharding.NamedSharding, dim: int) -> int:
+    return math.prod(sharding.mesh.shape[a] for a in _mesh_axes(sharding, dim))
 
 
 def _progress(done: int, total: int, what: str) -> None:

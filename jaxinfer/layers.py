@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
-from jaxinfer.checkpoint import ParamSpec
+from jaxinfer.checkpoint import ParamSpec, Spec, is_spec
 from jaxinfer.sharding import Axes, Layout
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ class LayerStack:
 @struct.dataclass
 class Weights:
     """A model's weights: its embedding, its layer stacks in order, and its head (each the model's own
-    pytree). Leaves are ParamSpec before loading and sharded jax.Arrays after."""
+    pytree). Leaves are specs (ParamSpec, FusedSpec) before loading and sharded jax.Arrays after."""
 
     embed: Any
     layers: tuple[LayerStack, ...]
@@ -73,19 +74,28 @@ class Weights:
         return sum(s.slots for s in self.layers)
 
 
-def stacked(spec: ParamSpec, layer_ids: tuple[int, ...]) -> ParamSpec:
+def unfuse(y: jax.Array, widths: Sequence[int], axis: int) -> list[jax.Array]:
+    """The output of a matmul with a fused weight (jaxinfer.checkpoint.FusedSpec), [..., G, sum(widths), ...]
+    with its G blocks at `axis`, -> one array per part, [..., G * width, ...]. Block g's columns of a part
+    are column shard g of that part, so merging the blocks back needs no communication."""
+    parts = jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=axis + 1)
+    return [p.reshape(*p.shape[:axis], -1, *p.shape[axis + 2:]) for p in parts]
+
+
+def stacked(spec: Spec, layer_ids: tuple[int, ...]) -> Spec:
     """One layer's weight repeated over `layer_ids`, read from the checkpoint's {layer}-numbered tensors."""
-    return dataclasses.replace(spec, shape=(len(layer_ids), *spec.shape), axes=("layers", *spec.axes),
-                               layer_ids=layer_ids)
+    def stack(p: ParamSpec) -> ParamSpec:
+        return dataclasses.replace(p, shape=(len(layer_ids), *p.shape), axes=("layers", *p.axes), layer_ids=layer_ids)
+    return spec.map_parts(stack)
 
 
 def stack_layers(num_layers: int, kind: Callable[[int], Hashable],
                  layer: Callable[[Any], Any]) -> tuple[LayerStack, ...]:
-    """Group consecutive layers of equal `kind(i)` into stacks; `layer(kind)` gives one layer's ParamSpec tree."""
+    """Group consecutive layers of equal `kind(i)` into stacks; `layer(kind)` gives one layer's tree of specs."""
     stacks = []
     for k, run in itertools.groupby(range(num_layers), key=kind):
         ids = tuple(run)
-        specs = jax.tree.map(lambda s, ids=ids: stacked(s, ids), layer(k), is_leaf=lambda x: isinstance(x, ParamSpec))
+        specs = jax.tree.map(lambda s, ids=ids: stacked(s, ids), layer(k), is_leaf=is_spec)
         stacks.append(LayerStack(specs, first=ids[0]))
     return tuple(stacks)
 
@@ -116,12 +126,12 @@ class StepContext:
 
         return attention(q, k, v, cache, layer, inv_freq, self.meta, self.layout, self.backend)
 
-    def moe(self, x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, *,
+    def moe(self, x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array, *,
             top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
-        """Expert-parallel SwiGLU experts (jaxinfer.moe): (y [R, N, E], tokens per expert [R, X])."""
+        """Expert-parallel SwiGLU experts (jaxinfer.moe), gate and up fused: (y [R, N, E], tokens per expert [R, X])."""
         from jaxinfer.moe import moe
 
-        return moe(x, router, gate, up, down, self.valid, top_k=top_k, normalize=normalize, layout=self.layout)
+        return moe(x, router, gate_up, down, self.valid, top_k=top_k, normalize=normalize, layout=self.layout)
 
 
 LayerFn = Callable[[Any, jax.Array, "PagedKVCache", jax.Array, StepContext], tuple[jax.Array, "PagedKVCache", Any]]

@@ -98,7 +98,8 @@ class LLM:
         self.layout = Layout(self.mesh_config.make())
         self.model = model_for(self.config)
         specs = self.model.weights(kv_repeat=kv_head_repeat(self.config, self.layout.axis_size("kv_heads")),
-                                   vocab_multiple=self.layout.axis_size("vocab"))
+                                   vocab_multiple=self.layout.axis_size("vocab"),
+                                   column_shards=self.layout.axis_size("heads"))
         specs = split_stages(specs, self.config.num_layers, self.layout.axis_size("layers"))
         self.engine = Engine(self.model, self.layout, make_weights(specs), self.dtype, engine_config, self.tokenizer)
         self.loop = EngineLoop(self.engine)

@@ -8,15 +8,18 @@ down(silu(gate(x)) * up(x)) and the k results are weighted and summed.
 Expert parallel layout (the rules table): tokens are sharded over the batch axes, which must include the
 experts' axis ("batch" -> ("dp", "ep")), so every ep rank routes its own replica's tokens; experts are
 split over "ep" and each expert's FFN width over "tp" (Megatron: column-parallel gate/up, row-parallel
-down). Per device, with T local tokens, A = T*k assignments and capacity C = A (room for every
-assignment going to one rank, so no token is ever dropped whatever the routing):
+down). Gate and up are one weight [X, E, G, 2M/G] stored shard by shard (jaxinfer.checkpoint.FusedSpec:
+block g holds shard g's gate and up columns), so one grouped matmul computes both. Per device, with T
+local tokens, A = T*k assignments and capacity C = A (room for every assignment going to one rank, so no
+token is ever dropped whatever the routing):
 
 1. route; 2. sort the assignments by global expert, which groups them by owner (expert // X_local) and
    within an owner by local expert, and write them compacted into a fixed [ep, C, .] send buffer;
 3. all-to-all over ep (tiled: split axis 0 = destination, concat axis 0 = source); 4. sort what arrived
-   by local expert and run it through the local experts with `lax.ragged_dot`; 5. all-to-all back to the
-   source slots; 6. weight and sum the k choices; 7. one psum over tp (each tp rank holds a partial
-   down-projection), none at tp=1. Counts are a local histogram, returned sharded like the tokens.
+   by local expert and run it through the local experts with `lax.ragged_dot` (gate and up in one); 5.
+   all-to-all back to the source slots; 6. weight and sum the k choices; 7. one psum over tp (each tp
+   rank holds a partial down-projection), none at tp=1. Counts are a local histogram, returned sharded
+   like the tokens.
 
 Bytes per device (b = x's itemsize; everything fixed-shape, there is no ragged all-to-all on CPU):
 - dispatch all-to-all: ep * C * (E * b + 4). The local expert id of each slot (int32, x_local marks an
@@ -40,10 +43,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxinfer.layers import unfuse
 from jaxinfer.sharding import Layout
 
 TOKENS = ("batch", "seq", "embed")
-WEIGHTS_IN, WEIGHTS_OUT = ("experts", "embed", "mlp"), ("experts", "mlp", "embed")
+WEIGHTS_IN, WEIGHTS_OUT = ("experts", "embed", "mlp", None), ("experts", "mlp", "embed")
 
 
 def route(x: jax.Array, router: jax.Array, valid: jax.Array, *, top_k: int,
@@ -60,12 +64,17 @@ def route(x: jax.Array, router: jax.Array, valid: jax.Array, *, top_k: int,
     return probs.astype(x.dtype), experts.astype(jnp.int32), hits.sum((1, 2), dtype=jnp.int32)
 
 
-def moe_reference(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+def _gate_and_up(gate_up: jax.Array, axis: int) -> list[jax.Array]:
+    """A fused gate/up output with its G blocks at `axis` -> (gate, up), each with G * M/G columns there."""
+    half = gate_up.shape[axis + 1] // 2
+    return unfuse(gate_up, (half, half), axis)
+
+
+def moe_reference(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
                   valid: jax.Array, *, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
     """The ground truth: plain jnp, the chosen experts' weights gathered per token. Padding tokens -> 0."""
     weights, experts, counts = route(x, router, valid, top_k=top_k, normalize=normalize)
-    gate = jnp.einsum("rne,rnkem->rnkm", x, w_gate[experts])
-    up = jnp.einsum("rne,rnkem->rnkm", x, w_up[experts])
+    gate, up = _gate_and_up(jnp.einsum("rne,rnkegc->rnkgc", x, w_gate_up[experts]), axis=3)
     out = jnp.einsum("rnkm,rnkme->rnke", jax.nn.silu(gate) * up, w_down[experts])
     y = (weights[..., None] * out).sum(2)
     return jnp.where(valid[..., None], y, 0).astype(x.dtype), counts
@@ -88,18 +97,19 @@ def _unpack(packed: jax.Array, embed: int, dtype: jnp.dtype) -> tuple[jax.Array,
     return lax.bitcast_convert_type(packed[..., :embed], dtype), lax.bitcast_convert_type(tail, jnp.int32)
 
 
-def moe(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-        valid: jax.Array, *, top_k: int, normalize: bool, layout: Layout) -> tuple[jax.Array, jax.Array]:
-    """Expert-parallel MoE FFN. x [R, N, E], router [E, X], w_gate/w_up [X, E, M], w_down [X, M, E],
-    valid bool [R, N] -> (y [R, N, E] in x's dtype, padding tokens 0; counts int32 [R, X] of valid tokens).
+def moe(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, valid: jax.Array, *,
+        top_k: int, normalize: bool, layout: Layout) -> tuple[jax.Array, jax.Array]:
+    """Expert-parallel MoE FFN. x [R, N, E], router [E, X], w_gate_up [X, E, G, 2M/G] (gate and up fused in
+    G column blocks), w_down [X, M, E], valid bool [R, N] -> (y [R, N, E] in x's dtype, padding tokens 0;
+    counts int32 [R, X] of valid tokens).
 
     Communication per call and device: two all-to-alls over ep (bytes in the module docstring) and, where
     the FFN width is split (tp > 1), one all-reduce of the [n, E] output; no all-gather, weights never move.
     """
-    chex.assert_rank([x, router, w_gate, w_up, w_down, valid], [3, 2, 3, 3, 3, 2])
-    chex.assert_equal_shape([w_gate, w_up])
-    chex.assert_shape(router, (x.shape[-1], w_gate.shape[0]))
-    chex.assert_shape(w_down, (w_gate.shape[0], w_gate.shape[2], x.shape[-1]))
+    chex.assert_rank([x, router, w_gate_up, w_down, valid], [3, 2, 4, 3, 2])
+    chex.assert_shape(router, (x.shape[-1], w_gate_up.shape[0]))
+    chex.assert_shape(w_gate_up, (w_gate_up.shape[0], x.shape[-1], None, None))
+    chex.assert_shape(w_down, (w_gate_up.shape[0], w_gate_up.shape[2] * w_gate_up.shape[3] // 2, x.shape[-1]))
     chex.assert_shape(valid, x.shape[:2])
     num_experts = router.shape[1]
     ep_axis, tp_axis = _one_mesh_axis(layout, "experts"), _one_mesh_axis(layout, "mlp")
@@ -117,7 +127,7 @@ def moe(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_d
     def a2a(t: jax.Array) -> jax.Array:
         return lax.all_to_all(t, ep_axis, 0, 0, tiled=True) if ep > 1 else t
 
-    def local(x, valid, router, w_gate, w_up, w_down):
+    def local(x, valid, router, w_gate_up, w_down):
         r, n, embed = x.shape
         weights, experts, counts = route(x, router, valid, top_k=top_k, normalize=normalize)
         cap = r * n * top_k  # C: one slot per assignment, to every rank
@@ -136,8 +146,10 @@ def moe(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_d
         by_expert = jnp.argsort(ids, stable=True)
         sizes = (ids[:, None] == jnp.arange(x_local)).sum(0, dtype=jnp.int32)  # empty slots: beyond sum(sizes)
         xs = received[by_expert]
-        hidden = jax.nn.silu(lax.ragged_dot(xs, w_gate, sizes)) * lax.ragged_dot(xs, w_up, sizes)
-        out = lax.ragged_dot(hidden, w_down, sizes)
+        blocks = w_gate_up.shape[2:]                    # this device's column blocks: [G / tp, 2M/G]
+        fused = lax.ragged_dot(xs, w_gate_up.reshape(*w_gate_up.shape[:2], -1), sizes)  # gate and up at once
+        gate, up = _gate_and_up(fused.reshape(-1, *blocks), axis=1)
+        out = lax.ragged_dot(jax.nn.silu(gate) * up, w_down, sizes)
         out = jnp.where((ids[by_expert] < x_local)[:, None], out, 0)
         out = jnp.zeros_like(out).at[by_expert].set(out)  # back to arrival order
         # 5. back to the source slots; 6. weight and sum the k choices; 7. one all-reduce over tp.
@@ -151,8 +163,8 @@ def moe(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_d
             counts = lax.psum(counts, seq_axes)
         return (lax.psum(y, tp_axis) if tp > 1 else y), counts
 
-    return layout.shard_map(local, in_axes=(TOKENS, TOKENS[:2], None, WEIGHTS_IN, WEIGHTS_IN, WEIGHTS_OUT),
-                            out_axes=(TOKENS, ("batch", None)))(x, valid, router, w_gate, w_up, w_down)
+    return layout.shard_map(local, in_axes=(TOKENS, TOKENS[:2], None, WEIGHTS_IN, WEIGHTS_OUT),
+                            out_axes=(TOKENS, ("batch", None)))(x, valid, router, w_gate_up, w_down)
 
 
 def _one_mesh_axis(layout: Layout, logical: str) -> str | None:

@@ -31,7 +31,7 @@ from flax import struct
 from jax.sharding import PartitionSpec
 
 from jaxinfer.batch import StepBatch, StepMetadata, bucket_shape, pack, ring_order
-from jaxinfer.checkpoint import ParamSpec
+from jaxinfer.checkpoint import ParamSpec, is_spec
 from jaxinfer.kv_cache import POOL_AXES, PagedKVCache
 from jaxinfer.layers import ACTIVATIONS, LayerStack, StepContext, Weights, run_layers
 from jaxinfer.models import Model
@@ -53,19 +53,19 @@ def stage_bounds(num_layers: int, stages: int) -> list[range]:
 
 
 def split_stages(weights: Weights, num_layers: int, stages: int) -> Weights:
-    """A model's weight specs (ParamSpec leaves) regrouped into `stages` pipeline stages."""
+    """A model's weight specs (ParamSpec or FusedSpec leaves) regrouped into `stages` pipeline stages."""
     if stages == 1:
         return weights
     bounds, first, out = stage_bounds(num_layers, stages), 0, []
     for stack in weights.layers:
-        ids = jax.tree.leaves(stack.weights, is_leaf=lambda x: isinstance(x, ParamSpec))[0].layer_ids
+        ids = jax.tree.leaves(stack.weights, is_leaf=is_spec)[0].layer_ids
         held = [[i for i in ids if i in b] for b in bounds]
         width = max(map(len, held))
         slots = tuple(tuple(h + [None] * (width - len(h))) for h in held)
         flat = tuple(i for s in slots for i in s)
-        specs = jax.tree.map(lambda p, flat=flat: dataclasses.replace(p, shape=(len(flat), *p.shape[1:]),
-                                                                      layer_ids=flat),
-                             stack.weights, is_leaf=lambda x: isinstance(x, ParamSpec))
+        def restack(p: ParamSpec, flat=flat) -> ParamSpec:
+            return dataclasses.replace(p, shape=(len(flat), *p.shape[1:]), layer_ids=flat)
+        specs = jax.tree.map(lambda s, restack=restack: s.map_parts(restack), stack.weights, is_leaf=is_spec)
         out.append(LayerStack(specs, first=first, stages=slots))
         first += width
     return dataclasses.replace(weights, layers=tuple(out))

@@ -61,7 +61,7 @@ def write_random_checkpoint(path: str | Path, config: dict, seed: int = 0) -> Pa
     """A complete checkpoint directory (config, safetensors, byte-level tokenizer) with random weights."""
     import jax
 
-    from jaxinfer.checkpoint import ParamSpec
+    from jaxinfer.checkpoint import is_spec
     from jaxinfer.models import model_for
 
     path = Path(path)
@@ -69,7 +69,8 @@ def write_random_checkpoint(path: str | Path, config: dict, seed: int = 0) -> Pa
     cfg = ModelConfig.from_dict(config)
     rng = np.random.default_rng(seed)
     tensors = {}
-    for spec in jax.tree.leaves(model_for(cfg).weights(), is_leaf=lambda x: isinstance(x, ParamSpec)):
+    parts = (p for s in jax.tree.leaves(model_for(cfg).weights(), is_leaf=is_spec) for p in s.parts)
+    for spec in parts:
         for name in spec.hf_names():
             if name in tensors:
                 continue  # tied embeddings

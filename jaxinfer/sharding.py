@@ -3,7 +3,8 @@
 Model code names dimensions logically ("embed", "heads", ...); changing the parallel layout means
 changing the mesh, never the model. Tensor parallel is Megatron-style: QKV and gate/up are split by
 output (heads, mlp), O and down by input, so each layer needs one all-reduce after attention and one
-after the MLP; the vocabulary is split for the embedding and the LM head.
+after the MLP; the vocabulary is split for the embedding and the LM head. QKV and gate/up are each one
+fused weight whose block axis carries the "heads" or "mlp" name (jaxinfer.checkpoint.FusedSpec).
 """
 
 from __future__ import annotations

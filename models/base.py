@@ -37,9 +37,11 @@ class Model:
         """The ModelConfig of a config.json dict; refuse (ConfigError) what this architecture cannot compute."""
         raise NotImplementedError
 
-    def weights(self, *, kv_repeat: int = 1, vocab_multiple: int = 1) -> Weights:
-        """Every weight as a ParamSpec (shape, logical axes, checkpoint tensor). kv_repeat: copies of each KV
-        head (so tp may exceed the KV heads); vocab_multiple: pad the vocabulary to a multiple of it."""
+    def weights(self, *, kv_repeat: int = 1, vocab_multiple: int = 1, column_shards: int = 1) -> Weights:
+        """Every weight as a ParamSpec (shape, logical axes, checkpoint tensor), or a FusedSpec of several.
+        kv_repeat: copies of each KV head (so tp may exceed the KV heads); vocab_multiple: pad the vocabulary
+        to a multiple of it; column_shards: the shards of the column-parallel (heads, mlp) dimensions, in
+        which fused weights are stored."""
         raise NotImplementedError
 
     def embed(self, w: Any, tokens: jax.Array, ctx: StepContext) -> jax.Array:

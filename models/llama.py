@@ -3,8 +3,10 @@ mixture-of-experts Mixtral and Qwen3-MoE. One block, as in the papers:
 
     h = x + Attention(RMSNorm(x)),   out = h + FFN(RMSNorm(h)),   FFN = SwiGLU MLP or a mixture of them
 
-Dimensions are named logically (`ACTIVATIONS`, the ParamSpec axes); jaxinfer.sharding maps them onto the
-mesh, and the StepContext runs attention and the experts wherever they live.
+Dimensions are named logically (`ACTIVATIONS`, the specs' axes); jaxinfer.sharding maps them onto the
+mesh, and the StepContext runs attention and the experts wherever they live. The projections that read
+the same input are fused, one matmul each: q/k/v and gate/up, stored shard by shard (FusedSpec) so that
+every device's slice holds its own columns of each part; the model splits the result by the parts' widths.
 """
 
 from __future__ import annotations
@@ -17,25 +19,22 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxinfer.checkpoint import ParamSpec
+from jaxinfer.checkpoint import FusedSpec, ParamSpec
 from jaxinfer.config import ConfigError, ModelConfig, decoder_fields
 from jaxinfer.kv_cache import PagedKVCache
-from jaxinfer.layers import ACTIVATIONS, StepContext, Weights, stack_layers
+from jaxinfer.layers import ACTIVATIONS, StepContext, Weights, stack_layers, unfuse
 from jaxinfer.models.base import Model, register
 
 LAYER = "model.layers.{layer}."
-W = Any  # a jax.Array once loaded, its ParamSpec before; None where the architecture has no such weight
+W = Any  # a jax.Array once loaded, its spec before; None where the architecture has no such weight
+# G below: the column shards the fused weights are stored in (the tensor-parallel degree; 1 on one device)
 
 
 @struct.dataclass
 class Attention:
-    q: W                # [E, H, D]
-    k: W                # [E, KV, D]
-    v: W                # [E, KV, D]
+    qkv: W              # [E, G, (H + 2 KV) / G, D]: block g = [q, k, v heads of shard g]
     o: W                # [H, D, E]
-    q_bias: W = None    # [H, D]
-    k_bias: W = None    # [KV, D]
-    v_bias: W = None    # [KV, D]
+    qkv_bias: W = None  # [G, (H + 2 KV) / G, D]
     o_bias: W = None    # [E]
     q_norm: W = None    # [D] (Qwen3)
     k_norm: W = None    # [D]
@@ -43,19 +42,16 @@ class Attention:
 
 @struct.dataclass
 class MLP:
-    gate: W             # [E, M]
-    up: W               # [E, M]
+    gate_up: W          # [E, G, 2 M / G]: block g = [gate, up columns of shard g]
     down: W             # [M, E]
-    gate_bias: W = None  # [M]
-    up_bias: W = None    # [M]
-    down_bias: W = None  # [E]
+    gate_up_bias: W = None  # [G, 2 M / G]
+    down_bias: W = None     # [E]
 
 
 @struct.dataclass
 class Experts:
     router: W           # [E, X]
-    gate: W             # [X, E, M]
-    up: W               # [X, E, M]
+    gate_up: W          # [X, E, G, 2 M / G]: block g = [gate, up columns of shard g]
     down: W             # [X, M, E]
 
 
@@ -138,7 +134,7 @@ class Llama(Model):
         return fields
 
     # ---- weights ----------------------------------------------------------------------------------
-    def weights(self, *, kv_repeat: int = 1, vocab_multiple: int = 1) -> Weights:
+    def weights(self, *, kv_repeat: int = 1, vocab_multiple: int = 1, column_shards: int = 1) -> Weights:
         cfg = self.cfg
         E, V = cfg.hidden_size, cfg.vocab_size
         Vp = -(-V // vocab_multiple) * vocab_multiple
@@ -150,17 +146,17 @@ class Llama(Model):
                                       perm=(1, 0), pad=pad and (1, V)))
         sparse = set(cfg.moe_layers)
         layers = stack_layers(cfg.num_layers, lambda i: i in sparse,
-                              lambda moe: self.layer_weights(kv_repeat, moe))
+                              lambda moe: self.layer_weights(moe, kv_repeat=kv_repeat, shards=column_shards))
         return Weights(embed=embed, layers=layers, head=head)
 
-    def layer_weights(self, kv_repeat: int, moe: bool) -> Layer:
+    def layer_weights(self, moe: bool, *, kv_repeat: int, shards: int) -> Layer:
         E = self.cfg.hidden_size
         norm = lambda name: ParamSpec((E,), ("embed",), LAYER + name)  # noqa: E731
-        return Layer(attn_norm=norm("input_layernorm.weight"), attn=self.attention_weights(kv_repeat),
+        return Layer(attn_norm=norm("input_layernorm.weight"), attn=self.attention_weights(kv_repeat, shards),
                      mlp_norm=norm("post_attention_layernorm.weight"),
-                     mlp=self.expert_weights() if moe else self.mlp_weights())
+                     mlp=self.expert_weights(shards) if moe else self.mlp_weights(shards))
 
-    def attention_weights(self, kv_repeat: int) -> Attention:
+    def attention_weights(self, kv_repeat: int, shards: int) -> Attention:
         cfg = self.cfg
         E, H, KV, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         KVr, a = KV * kv_repeat, LAYER + "self_attn."
@@ -168,40 +164,41 @@ class Llama(Model):
                                     view=((KV, D), (E,)), perm=(2, 0, 1), repeat=(1, kv_repeat))
         kv_bias = lambda name: ParamSpec((KVr, D), ("kv_heads", "head_dim"), a + name,  # noqa: E731
                                          view=((KV, D),), repeat=(0, kv_repeat))
+        q = ParamSpec((E, H, D), ("embed", "heads", "head_dim"), a + "q_proj.weight", view=((H, D), (E,)),
+                      perm=(2, 0, 1))
+        q_bias = ParamSpec((H, D), ("heads", "head_dim"), a + "q_proj.bias", view=((H, D),))
+        by_heads = lambda *parts: FusedSpec(parts, axis=-2, shards=shards)  # noqa: E731  (the heads axis)
         return Attention(
-            q=ParamSpec((E, H, D), ("embed", "heads", "head_dim"), a + "q_proj.weight", view=((H, D), (E,)),
-                        perm=(2, 0, 1)),
-            k=kv("k_proj.weight"), v=kv("v_proj.weight"),
+            qkv=by_heads(q, kv("k_proj.weight"), kv("v_proj.weight")),
             o=ParamSpec((H, D, E), ("heads", "head_dim", "embed"), a + "o_proj.weight", view=((E,), (H, D)),
                         perm=(1, 2, 0)),
-            q_bias=_optional(cfg.qkv_bias, ParamSpec((H, D), ("heads", "head_dim"), a + "q_proj.bias",
-                                                     view=((H, D),))),
-            k_bias=_optional(cfg.qkv_bias, kv_bias("k_proj.bias")),
-            v_bias=_optional(cfg.qkv_bias, kv_bias("v_proj.bias")),
+            qkv_bias=_optional(cfg.qkv_bias, by_heads(q_bias, kv_bias("k_proj.bias"), kv_bias("v_proj.bias"))),
             o_bias=_optional(cfg.o_bias, ParamSpec((E,), ("embed",), a + "o_proj.bias")),
             q_norm=_optional(cfg.qk_norm, ParamSpec((D,), ("head_dim",), a + "q_norm.weight")),
             k_norm=_optional(cfg.qk_norm, ParamSpec((D,), ("head_dim",), a + "k_norm.weight")),
         )
 
-    def mlp_weights(self) -> MLP:
+    def mlp_weights(self, shards: int) -> MLP:
         cfg, m = self.cfg, LAYER + "mlp."
         E, M = cfg.hidden_size, cfg.intermediate_size
         column = lambda name: ParamSpec((E, M), ("embed", "mlp"), m + name, perm=(1, 0))  # noqa: E731
-        return MLP(gate=column("gate_proj.weight"), up=column("up_proj.weight"),
+        bias = lambda name: ParamSpec((M,), ("mlp",), m + name)  # noqa: E731
+        return MLP(gate_up=FusedSpec((column("gate_proj.weight"), column("up_proj.weight")), shards=shards),
                    down=ParamSpec((M, E), ("mlp", "embed"), m + "down_proj.weight", perm=(1, 0)),
-                   gate_bias=_optional(cfg.mlp_bias, ParamSpec((M,), ("mlp",), m + "gate_proj.bias")),
-                   up_bias=_optional(cfg.mlp_bias, ParamSpec((M,), ("mlp",), m + "up_proj.bias")),
+                   gate_up_bias=_optional(cfg.mlp_bias, FusedSpec((bias("gate_proj.bias"), bias("up_proj.bias")),
+                                                                  shards=shards)),
                    down_bias=_optional(cfg.mlp_bias, ParamSpec((E,), ("embed",), m + "down_proj.bias")))
 
-    def expert_weights(self) -> Experts:
+    def expert_weights(self, shards: int) -> Experts:
         cfg = self.cfg
         E, X, M = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         block = LAYER + self.experts_prefix
         expert = lambda name, shape, axes: ParamSpec(  # noqa: E731
             (X, *shape), ("experts", *axes), block + "experts.{expert}." + name + ".weight", perm=(1, 0))
         gate, up, down = self.expert_names
+        column = lambda name: expert(name, (E, M), ("embed", "mlp"))  # noqa: E731
         return Experts(router=ParamSpec((E, X), ("embed", None), block + "gate.weight", perm=(1, 0)),
-                       gate=expert(gate, (E, M), ("embed", "mlp")), up=expert(up, (E, M), ("embed", "mlp")),
+                       gate_up=FusedSpec((column(gate), column(up)), shards=shards),
                        down=expert(down, (M, E), ("mlp", "embed")))
 
     # ---- stage functions ---------------------------------------------------------------------------
@@ -224,9 +221,12 @@ class Llama(Model):
     def attention(self, w: Attention, h: jax.Array, cache: PagedKVCache, layer: jax.Array,
                   ctx: StepContext) -> tuple[jax.Array, PagedKVCache]:
         eps = self.cfg.rms_norm_eps
-        q, k, v = (jnp.einsum("bte,ehd->bthd", h, p) for p in (w.q, w.k, w.v))
-        if w.q_bias is not None:
-            q, k, v = q + w.q_bias, k + w.k_bias, v + w.v_bias
+        qkv = jnp.einsum("bte,egcd->btgcd", h, w.qkv)                           # one matmul for q, k and v
+        if w.qkv_bias is not None:
+            qkv = qkv + w.qkv_bias
+        groups, cols = w.qkv.shape[1:3]
+        q_cols = self.cfg.num_heads // groups                                   # the same in every block
+        q, k, v = unfuse(qkv, (q_cols, (cols - q_cols) // 2, (cols - q_cols) // 2), axis=2)
         if w.q_norm is not None:
             q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
         o, cache = ctx.attention(q, k, v, cache, layer, rope_frequencies(self.cfg))
@@ -235,15 +235,17 @@ class Llama(Model):
 
     def ffn(self, w: MLP | Experts, h: jax.Array, ctx: StepContext) -> tuple[jax.Array, jax.Array | None]:
         if isinstance(w, Experts):                                               # all-to-all over ep, twice
-            y, counts = ctx.moe(h, w.router, w.gate, w.up, w.down, top_k=self.cfg.experts_per_token,
+            y, counts = ctx.moe(h, w.router, w.gate_up, w.down, top_k=self.cfg.experts_per_token,
                                 normalize=self.cfg.norm_topk_prob)
             return ctx.constrain(y, ACTIVATIONS), counts
         return self.mlp(w, h, ctx), None
 
     def mlp(self, w: MLP, h: jax.Array, ctx: StepContext) -> jax.Array:
-        gate, up = jnp.einsum("bte,em->btm", h, w.gate), jnp.einsum("bte,em->btm", h, w.up)
-        if w.gate_bias is not None:
-            gate, up = gate + w.gate_bias, up + w.up_bias
+        gate_up = jnp.einsum("bte,egc->btgc", h, w.gate_up)                      # one matmul for gate and up
+        if w.gate_up_bias is not None:
+            gate_up = gate_up + w.gate_up_bias
+        half = gate_up.shape[-1] // 2
+        gate, up = unfuse(gate_up, (half, half), axis=2)
         out = ctx.constrain(jnp.einsum("btm,me->bte", jax.nn.silu(gate) * up, w.down), ACTIVATIONS)  # all-reduce
         return out if w.down_bias is None else out + w.down_bias
 

@@ -14,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 
 import jaxinfer.llm
 from jaxinfer import LLM
-from jaxinfer.checkpoint import Checkpoint, CheckpointError, SafetensorsFile, named_specs
+from jaxinfer.checkpoint import Checkpoint, CheckpointError, FusedSpec, SafetensorsFile, load_params, named_specs
 from jaxinfer.config import ConfigError, ModelConfig
 from jaxinfer.layers import Weights
 from jaxinfer.mesh import MeshConfig
@@ -42,9 +42,9 @@ def qwen2_dir(tmp_path, hf_tiny) -> Path:
     return copy_fixture(hf_tiny / "qwen2", tmp_path / "qwen2")
 
 
-def weight_specs(cfg: ModelConfig, kv_repeat: int = 1) -> Weights:
-    """The model's weights as ParamSpecs (what LLM loads)."""
-    return model_for(cfg).weights(kv_repeat=kv_repeat)
+def weight_specs(cfg: ModelConfig, kv_repeat: int = 1, shards: int = 1) -> Weights:
+    """The model's weights as specs (what LLM loads), fused ones stored in `shards` column blocks."""
+    return model_for(cfg).weights(kv_repeat=kv_repeat, column_shards=shards)
 
 
 def layer_specs(cfg: ModelConfig, kv_repeat: int = 1):
@@ -141,7 +141,7 @@ def test_missing_tensor(llama_dir):
     rewrite(llama_dir / ST, lambda t: t.pop(name))
     with pytest.raises(CheckpointError) as e:
         LLM(llama_dir, dtype="float32")
-    assert f"'{name}'" in message(e) and "(needed for layers.0.weights.mlp.up)" in message(e)
+    assert f"'{name}'" in message(e) and "(needed for layers.0.weights.mlp.gate_up)" in message(e)
 
 
 def test_missing_lm_head(llama_dir):
@@ -311,7 +311,7 @@ def q_heads(hf: np.ndarray, heads: int) -> np.ndarray:
 
 def test_read_wq_shard(llama_fixture):
     cfg, ckpt, full = llama_fixture
-    spec = layer_specs(cfg).attn.q
+    spec = layer_specs(cfg).attn.qkv.parts[0]
     got = ckpt.read(spec, (slice(None), slice(None), slice(2, 4), slice(None)))
     assert got.shape == (cfg.num_layers, cfg.hidden_size, 2, cfg.head_dim)
     for layer in range(cfg.num_layers):
@@ -323,7 +323,7 @@ def test_read_wq_shard(llama_fixture):
 def test_read_wk_replicated_shard(llama_fixture):
     cfg, ckpt, full = llama_fixture
     assert cfg.num_kv_heads == 2
-    spec = layer_specs(cfg, kv_repeat=4).attn.k                           # 8 KV heads for tp=8
+    spec = layer_specs(cfg, kv_repeat=4).attn.qkv.parts[1]                # k: 8 KV heads for tp=8
     assert spec.shape == (cfg.num_layers, cfg.hidden_size, 8, cfg.head_dim)
     got = ckpt.read(spec, (slice(1, 3), slice(None), slice(3, 5), slice(None)))
     assert got.shape == (2, cfg.hidden_size, 2, cfg.head_dim)
@@ -353,7 +353,7 @@ def test_read_mlp_and_vocab_shards(llama_fixture):
     got = ckpt.read(mlp.down, (slice(None), slice(40, 80), slice(None)))
     for layer in range(L):
         np.testing.assert_array_equal(got[layer], full[f"model.layers.{layer}.mlp.down_proj.weight"].T[40:80])
-    got = ckpt.read(mlp.gate, (slice(0, 1), slice(None), slice(80, 120)))
+    got = ckpt.read(mlp.gate_up.parts[0], (slice(0, 1), slice(None), slice(80, 120)))
     np.testing.assert_array_equal(got[0], full["model.layers.0.mlp.gate_proj.weight"].T[:, 80:120])
     got = ckpt.read(specs.head.lm_head, (slice(None), slice(96, 192)))
     np.testing.assert_array_equal(got, full["lm_head.weight"].T[:, 96:192])
@@ -362,7 +362,13 @@ def test_read_mlp_and_vocab_shards(llama_fixture):
 
 
 def our_layout(spec, tensors: dict[str, np.ndarray]) -> np.ndarray:
-    """The full parameter in our layout, built with numpy from the HF tensors."""
+    """The full parameter in our layout, built with numpy from the HF tensors. A fused one: each part cut
+    into `shards` blocks along its column axis, block g of every part side by side, the blocks stacked."""
+    if isinstance(spec, FusedSpec):
+        cut = [np.split(our_layout(p, tensors), spec.shards, axis=spec.axis) for p in spec.parts]
+        blocks = [np.concatenate([c[g] for c in cut], axis=spec.axis) for g in range(spec.shards)]
+        return np.stack(blocks, axis=spec.block_axis)
+
     def one(name):
         a = tensors[name].reshape([d for g in spec.groups for d in g])
         a = np.transpose(a, spec.perm or tuple(range(a.ndim)))
@@ -383,9 +389,9 @@ def test_every_device_reads_its_shard(fixture, tp, hf_tiny):
         tensors.update(raw_tensors(f))
     layout = Layout(MeshConfig(tp=tp).make())
     repeat = kv_head_repeat(cfg, tp)
-    named = named_specs(weight_specs(cfg, repeat))
+    named = named_specs(weight_specs(cfg, repeat, tp))
     # the specs read every tensor of the checkpoint and nothing else
-    assert {name for _, spec in named for name in spec.hf_names()} == set(tensors)
+    assert {name for _, spec in named for part in spec.parts for name in part.hf_names()} == set(tensors)
     for key, spec in named:
         full = our_layout(spec, tensors)
         assert full.shape == spec.shape, key
@@ -403,7 +409,7 @@ def test_bf16_fixture_reads_bfloat16(hf_tiny):
     ckpt = Checkpoint(path)
     full = raw_tensors(path / ST)
     specs = weight_specs(cfg)
-    got = ckpt.read(specs.layers[0].weights.attn.q, (slice(None), slice(None), slice(1, 3), slice(None)))
+    got = ckpt.read(specs.layers[0].weights.attn.qkv.parts[0], (slice(None), slice(None), slice(1, 3), slice(None)))
     assert got.dtype == ml_dtypes.bfloat16
     for layer in range(cfg.num_layers):
         want = q_heads(full[f"model.layers.{layer}.self_attn.q_proj.weight"], cfg.num_heads)[:, 1:3]
@@ -423,14 +429,12 @@ def test_read_is_a_memory_map_view(hf_tiny):
 
 def test_load_params_places_each_shard(hf_tiny):
     """A full load on tp=2 (no engine: Engine is patched) places each device's shard correctly."""
-    from jaxinfer.checkpoint import load_params
-
     cfg = ModelConfig.from_dir(hf_tiny / "llama")
     layout = Layout(MeshConfig(tp=2).make())
-    specs = weight_specs(cfg, kv_head_repeat(cfg, 2))
+    specs = weight_specs(cfg, kv_head_repeat(cfg, 2), 2)
     params = load_params(Checkpoint(hf_tiny / "llama"), specs, layout.sharding, np.float32)
     tensors = load_file(str(hf_tiny / "llama" / ST))
-    # the same pytree, every ParamSpec now an array of its shape and sharding
+    # the same pytree, every spec now an array of its shape and sharding
     named = named_specs(specs)
     leaves = jax.tree_util.tree_leaves_with_path(params)
     assert [jax.tree_util.keystr(p, simple=True, separator=".") for p, _ in leaves] == [k for k, _ in named]
@@ -438,10 +442,90 @@ def test_load_params_places_each_shard(hf_tiny):
         assert array.shape == spec.shape and array.dtype == np.float32, key
         assert array.sharding == layout.sharding(spec.axes), key
         np.testing.assert_array_equal(np.asarray(array), our_layout(spec, tensors), err_msg=key)
-    wq = params.layers[0].weights.attn.q
-    assert wq.sharding.spec == jax.sharding.PartitionSpec(None, None, "tp", None)
-    full = our_layout(specs.layers[0].weights.attn.q, tensors)
-    assert len(wq.addressable_shards) == 2
-    for shard in wq.addressable_shards:
-        assert shard.data.shape == (cfg.num_layers, cfg.hidden_size, cfg.num_heads // 2, cfg.head_dim)
+    wo = params.layers[0].weights.attn.o
+    assert wo.sharding.spec == jax.sharding.PartitionSpec(None, "tp", None, None)
+    full = our_layout(specs.layers[0].weights.attn.o, tensors)
+    assert len(wo.addressable_shards) == 2
+    for shard in wo.addressable_shards:
+        assert shard.data.shape == (cfg.num_layers, cfg.num_heads // 2, cfg.head_dim, cfg.hidden_size)
         np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
+
+
+def all_tensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a checkpoint, from all its files."""
+    return {name: t for f in sorted(path.glob("*.safetensors")) for name, t in load_file(str(f)).items()}
+
+
+def hf_columns(tensors, name: str, heads: int, shard: int, shards: int) -> np.ndarray:
+    """Shard `shard` of `shards` of a column-parallel HF projection [heads * D, E] (or bias [heads * D]), as
+    its devices use it: [E, heads per shard, D] ([heads per shard, D]). Heads replicated for tp > heads: a
+    shard of them holds source head shard * heads // shards."""
+    w = tensors[name]
+    per = max(heads // shards, 1)
+    first = shard * heads // shards
+    rows = w.reshape(heads, -1, *w.shape[1:])[first: first + per]
+    return rows if w.ndim == 1 else rows.transpose(2, 0, 1)
+
+
+@pytest.mark.parametrize("fixture, tp", [("llama", 2), ("qwen2", 2), ("llama", 8)])
+def test_fused_weights_hold_each_devices_columns(fixture, tp, hf_tiny):
+    """On a tp mesh each device's slice of the fused q/k/v (and bias) and gate/up weights is that device's
+    q, k, v (gate, up) column shards of the checkpoint, side by side."""
+    path = hf_tiny / fixture
+    cfg = ModelConfig.from_dir(path)
+    tensors = all_tensors(path)
+    layout = Layout(MeshConfig(tp=tp).make())
+    params = load_params(Checkpoint(path), weight_specs(cfg, kv_head_repeat(cfg, tp), tp), layout.sharding,
+                         np.float32)
+    [stack] = params.layers
+    w, H, KV, M = stack.weights, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    attn, mlp = "self_attn.", "mlp."
+    # (fused array, its block axis within one layer, its parts: HF tensor and how many heads (columns) it has)
+    fused = [(w.attn.qkv, 1, [(attn + "q_proj.weight", H), (attn + "k_proj.weight", KV), (attn + "v_proj.weight", KV)]),
+             (w.mlp.gate_up, 1, [(mlp + "gate_proj.weight", M), (mlp + "up_proj.weight", M)])]
+    if cfg.qkv_bias:
+        fused.append((w.attn.qkv_bias, 0, [(attn + "q_proj.bias", H), (attn + "k_proj.bias", KV),
+                                           (attn + "v_proj.bias", KV)]))
+    for array, block_axis, parts in fused:
+        assert len(array.addressable_shards) == tp
+        for shard in array.addressable_shards:
+            [g] = range(*shard.index[1 + block_axis].indices(tp))      # one block per device: its shard
+            for layer in range(cfg.num_layers):
+                got = np.asarray(shard.data)[layer].take(0, axis=block_axis)
+                want = np.concatenate([hf_columns(tensors, f"model.layers.{layer}.{name}", heads, g, tp)
+                                       for name, heads in parts], axis=block_axis)
+                np.testing.assert_array_equal(got, want.reshape(got.shape), err_msg=f"{parts} on device {g}")
+
+
+@pytest.mark.parametrize("mesh", [MeshConfig(tp=2), MeshConfig(ep=2, tp=2)], ids=str)
+def test_fused_expert_weights_hold_each_devices_columns(mesh, hf_tiny):
+    """Mixtral's experts: each device's slice of the fused gate/up (w1/w3) weight is, for each of its experts,
+    that device's w1 and w3 column shards side by side."""
+    path = hf_tiny / "mixtral"
+    cfg = ModelConfig.from_dir(path)
+    tensors = all_tensors(path)
+    layout = Layout(mesh.make())
+    params = load_params(Checkpoint(path), weight_specs(cfg, kv_head_repeat(cfg, mesh.tp), mesh.tp),
+                         layout.sharding, np.float32)
+    [stack] = params.layers
+    gate_up, M = stack.weights.mlp.gate_up, cfg.moe_intermediate_size     # [L, X, E, G, 2M/G]
+    assert len(gate_up.addressable_shards) == mesh.size
+    for shard in gate_up.addressable_shards:
+        experts = range(*shard.index[1].indices(cfg.num_experts))
+        [g] = range(*shard.index[3].indices(mesh.tp))
+        assert len(experts) == cfg.num_experts // mesh.ep
+        for layer in range(cfg.num_layers):
+            for i, x in enumerate(experts):
+                name = f"model.layers.{layer}.block_sparse_moe.experts.{x}.{{}}.weight"
+                want = np.concatenate([hf_columns(tensors, name.format(w), M, g, mesh.tp) for w in ("w1", "w3")],
+                                      axis=1)
+                got = np.asarray(shard.data)[layer, i, :, 0]
+                np.testing.assert_array_equal(got, want.reshape(got.shape), err_msg=f"expert {x} on block {g}")
+
+
+def test_fused_weights_refuse_a_layout_of_other_shards(hf_tiny):
+    cfg = ModelConfig.from_dir(hf_tiny / "llama")
+    layout = Layout(MeshConfig(tp=2).make())
+    with pytest.raises(ValueError) as e:
+        load_params(Checkpoint(hf_tiny / "llama"), weight_specs(cfg, 1, 1), layout.sharding, np.float32)
+    assert "attn.qkv is stored in 1 column blocks" in message(e) and "splits them 2 ways" in message(e)

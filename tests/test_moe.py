@@ -20,6 +20,7 @@ N = 8  # tokens per replica
 
 
 def make_inputs(r: int, e: int, m: int, x_: int, seed: int = 0, dtype=jnp.float32, valid_frac: float = 0.8):
+    """(x, router, w_gate, w_up, w_down, valid): gate and up apart, as the Hugging Face loop takes them."""
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(r, N, e))
     router = rng.normal(size=(e, x_))
@@ -28,6 +29,15 @@ def make_inputs(r: int, e: int, m: int, x_: int, seed: int = 0, dtype=jnp.float3
     valid = rng.random((r, N)) < valid_frac
     cast = lambda a: jnp.asarray(a, dtype)  # noqa: E731
     return cast(x), cast(router), cast(w_gate), cast(w_up), cast(w_down), jnp.asarray(valid)
+
+
+def fused(args, shards: int):
+    """The arguments of moe / moe_reference: gate and up [X, E, M] -> one [X, E, shards, 2M / shards], block g
+    = [gate columns of shard g, up columns of shard g] (what the loader stores for `shards` tp devices)."""
+    x, router, w_gate, w_up, w_down, valid = args
+    blocks = lambda w: np.split(np.asarray(w), shards, axis=-1)  # noqa: E731
+    gate_up = np.stack([np.concatenate(gu, -1) for gu in zip(blocks(w_gate), blocks(w_up), strict=True)], axis=2)
+    return x, router, jnp.asarray(gate_up, w_gate.dtype), w_down, valid
 
 
 def hf_loop(x, router, w_gate, w_up, w_down, valid, top_k, normalize):
@@ -56,12 +66,12 @@ def layout_for(cfg: MeshConfig) -> Layout:
 
 
 def jit_moe(layout: Layout, args, top_k: int, normalize: bool):
-    """device_put every argument with its rules sharding; returns (jitted fn, placed args)."""
-    x, router, w_gate, w_up, w_down, valid = args
+    """Gate and up fused for the layout's tp, every argument device_put with its rules sharding; returns
+    (jitted fn, placed args)."""
+    x, router, w_gate_up, w_down, valid = fused(args, layout.axis_size("mlp"))
     placed = (jax.device_put(x, layout.sharding(("batch", "seq", "embed"))),
               jax.device_put(router, NamedSharding(layout.mesh, P())),
-              jax.device_put(w_gate, layout.sharding(("experts", "embed", "mlp"))),
-              jax.device_put(w_up, layout.sharding(("experts", "embed", "mlp"))),
+              jax.device_put(w_gate_up, layout.sharding(("experts", "embed", "mlp", None))),
               jax.device_put(w_down, layout.sharding(("experts", "mlp", "embed"))),
               jax.device_put(valid, layout.sharding(("batch", "seq"))))
     fn = jax.jit(lambda *a: moe(*a, top_k=top_k, normalize=normalize, layout=layout))
@@ -71,18 +81,18 @@ def jit_moe(layout: Layout, args, top_k: int, normalize: bool):
 def check_equal(cfg: MeshConfig, args, top_k: int, normalize: bool):
     fn, placed = jit_moe(layout_for(cfg), args, top_k, normalize)
     y, counts = fn(*placed)
-    y_ref, counts_ref = moe_reference(*args, top_k=top_k, normalize=normalize)
+    y_ref, counts_ref = moe_reference(*fused(args, 1), top_k=top_k, normalize=normalize)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=1e-5, rtol=0)
     np.testing.assert_array_equal(np.asarray(counts), np.asarray(counts_ref))
     assert counts.dtype == jnp.int32 and y.dtype == args[0].dtype
     return y, counts
 
 
-@pytest.mark.parametrize("e,m,x_,top_k,normalize", [(16, 24, 8, 2, True), (32, 48, 16, 4, False),
-                                                    (16, 24, 8, 4, True)])
-def test_reference_matches_hf_loop(e, m, x_, top_k, normalize):
+@pytest.mark.parametrize("e,m,x_,top_k,normalize,shards", [(16, 24, 8, 2, True, 1), (32, 48, 16, 4, False, 2),
+                                                           (16, 24, 8, 4, True, 4)])
+def test_reference_matches_hf_loop(e, m, x_, top_k, normalize, shards):
     args = make_inputs(3, e, m, x_, seed=e + top_k)
-    y_ref, counts_ref = moe_reference(*args, top_k=top_k, normalize=normalize)
+    y_ref, counts_ref = moe_reference(*fused(args, shards), top_k=top_k, normalize=normalize)
     y_hf, counts_hf = hf_loop(*args, top_k, normalize)
     np.testing.assert_allclose(np.asarray(y_ref), y_hf, atol=1e-5, rtol=0)
     np.testing.assert_array_equal(np.asarray(counts_ref), counts_hf)
@@ -135,7 +145,8 @@ def test_ties_pick_lower_expert_index(top_k, chosen):
     np.testing.assert_array_equal(np.asarray(counts), expected)
     y_hf, counts_hf = hf_loop(*args, top_k, True)
     np.testing.assert_array_equal(counts_hf, expected)
-    np.testing.assert_allclose(np.asarray(moe_reference(*args, top_k=top_k, normalize=True)[0]), y_hf, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(moe_reference(*fused(args, 1), top_k=top_k, normalize=True)[0]), y_hf,
+                               atol=1e-5)
 
 
 def test_padding_not_counted_and_ignored():
@@ -157,7 +168,7 @@ def test_bfloat16_runs_and_packs_ids():
     args = make_inputs(4, 16, 24, 8, seed=5, dtype=jnp.bfloat16)
     fn, placed = jit_moe(layout_for(MeshConfig(ep=4)), args, 2, True)
     y, counts = fn(*placed)
-    y_ref, counts_ref = moe_reference(*args, top_k=2, normalize=True)
+    y_ref, counts_ref = moe_reference(*fused(args, 1), top_k=2, normalize=True)
     assert y.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_ref, np.float32), atol=3e-2)
     np.testing.assert_array_equal(np.asarray(counts), np.asarray(counts_ref))
@@ -180,7 +191,7 @@ def test_compiled_collectives(mesh, dtype):
 
 
 def test_moe_refuses_experts_not_divisible_by_ep():
-    args = make_inputs(4, 16, 24, 6)
+    args = fused(make_inputs(4, 16, 24, 6), 1)
     with pytest.raises(ValueError, match=r"6 experts .* ep=4"):
         moe(*args, top_k=2, normalize=True, layout=layout_for(MeshConfig(ep=4)))
 
@@ -188,4 +199,4 @@ def test_moe_refuses_experts_not_divisible_by_ep():
 def test_batch_must_be_sharded_over_ep():
     layout = Layout(MeshConfig(ep=2).make(), tuple(dict(sharding.RULES, batch="dp", experts="ep").items()))
     with pytest.raises(ValueError, match="sharded over 'ep'"):
-        moe(*make_inputs(2, 16, 24, 8), top_k=2, normalize=True, layout=layout)
+        moe(*fused(make_inputs(2, 16, 24, 8), 1), top_k=2, normalize=True, layout=layout)

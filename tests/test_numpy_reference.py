@@ -114,7 +114,7 @@ class GeluLlama(Llama):
     def config(cls, c: dict) -> ModelConfig:
         return ModelConfig(**decoder_fields(c, sliding_window=False))
 
-    def mlp_weights(self) -> GeluMLP:
+    def mlp_weights(self, shards: int) -> GeluMLP:
         E, M, m = self.cfg.hidden_size, self.cfg.intermediate_size, "model.layers.{layer}.mlp."
         return GeluMLP(fc_in=ParamSpec((E, M), ("embed", "mlp"), m + "fc_in.weight", perm=(1, 0)),
                        fc_out=ParamSpec((M, E), ("mlp", "embed"), m + "fc_out.weight", perm=(1, 0)))
