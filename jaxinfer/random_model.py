@@ -111,15 +111,25 @@ def random_params(specs: Any, sharding_of: Callable, dtype, seed: int = 0) -> An
 
 
 def _is_spec(x: Any) -> bool:
-    from jaxinfer.checkpoint import ParamSpec
+    from jaxinfer.checkpoint import is_spec
 
-    return isinstance(x, ParamSpec)
+    return is_spec(x)
 
 
 def _random_array(spec, dtype, key):
-    """One weight of `spec`'s shape (traced inside jit)."""
+    """One weight of `spec`'s shape (traced inside jit); a fused one is its parts drawn apart and laid out
+    shard by shard, as the loader lays them out."""
     import jax
     import jax.numpy as jnp
+
+    from jaxinfer.checkpoint import FusedSpec
+
+    if isinstance(spec, FusedSpec):
+        d = spec.block_axis
+        parts = [_random_array(p, dtype, jax.random.fold_in(key, i)) for i, p in enumerate(spec.parts)]
+        parts = [x.reshape(*x.shape[:d], spec.shards, w, *x.shape[d + 1:]) for x, w in zip(parts, spec.widths,
+                                                                                         strict=True)]
+        return jnp.concatenate(parts, axis=d + 1)
 
     depth = spec.stack_depth
     shape = list(spec.shape)
