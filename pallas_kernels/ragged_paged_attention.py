@@ -9,8 +9,9 @@ for padding): what merging partial attention over disjoint sets of pages needs (
 w_i = exp(lse_i - logsumexp_i lse_i)).
 
 Two implementations with one contract:
-- `ragged_paged_attention_reference`: jax.numpy, the engine's CPU path. It walks the page index j once
-  for all tokens, so memory per step is O(N x KV x P x D), never O(N x max_len).
+- `ragged_paged_attention_reference`: jax.numpy, the engine's CPU path. It goes sequence by sequence,
+  each over its own pages only (gathered once per sequence, a block of pages at a time), so a step costs
+  what its sequences need, not N tokens x the longest one; memory is O(N x H x D), never O(N x max_len).
 - `ragged_paged_attention`: a Pallas kernel lowered through Triton. Grid (query block, kv head); a block
   is up to `block_q` tokens of one sequence times the G = H / KV query heads of its kv head, i.e.
   block_q * G rows of one matmul tile, with an online softmax over the pages it needs.
@@ -18,6 +19,7 @@ Two implementations with one contract:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import chex
@@ -30,14 +32,22 @@ from jax.experimental.pallas import triton as plgpu
 _LOG2E = math.log2(math.e)
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so a fully masked page gives p = 0, not NaN
 _TILE_ROWS = 16  # rows of the smallest MMA tile: the default block fills it and no more (see _pick_block_q)
+BLOCK_Q = 32      # reference: tokens of a prefill chunk per online-softmax update
+BLOCK_PAGES = (32, 16)  # reference: table entries gathered per block, for one-token sequences and others
+
+
+def _token_seq(query_start: jax.Array, n: int) -> jax.Array:
+    """The sequence slot of each of n flat tokens (S past the last slot's end). A comparison per token and
+    slot rather than a binary search: one small fused kernel instead of a loop, for tiny shapes alike."""
+    tok = jnp.arange(n, dtype=jnp.int32)
+    return (tok[:, None] >= query_start[None, 1:]).sum(-1, dtype=jnp.int32)
 
 
 def _token_map(seq_lens: jax.Array, query_start: jax.Array, num_seqs: jax.Array,
                n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Sequence, absolute position and validity of each flat query token."""
     tok = jnp.arange(n, dtype=jnp.int32)
-    seq = jnp.searchsorted(query_start[1:], tok, side="right").astype(jnp.int32)
-    seq = jnp.minimum(seq, seq_lens.shape[0] - 1)
+    seq = jnp.minimum(_token_seq(query_start, n), seq_lens.shape[0] - 1)
     start = query_start[seq]
     pos = seq_lens[seq] - (query_start[seq + 1] - start) + (tok - start)
     return seq, pos, tok < query_start[num_seqs]
@@ -47,62 +57,114 @@ def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
                                      page_table: jax.Array, seq_lens: jax.Array, query_start: jax.Array,
                                      num_seqs: jax.Array, *, sm_scale: float,
                                      return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """Online softmax over page index j for all tokens at once. q: [N, H, D] -> [N, H, D] in q.dtype
+    """Each sequence's query tokens over its own pages, causal. q: [N, H, D] -> [N, H, D] in q.dtype
     (and the log-sum-exp [N, H] float32 with return_lse)."""
     chex.assert_rank([q, k_pages, page_table, seq_lens, query_start], [3, 5, 2, 1, 1])
     chex.assert_shape(query_start, (seq_lens.shape[0] + 1,))
-    seq, pos, valid = _token_map(seq_lens, query_start, num_seqs, q.shape[0])
-    out, lse = paged_attention_partial(q, seq, jnp.where(valid, pos + 1, 0), k_pages, v_pages, layer, page_table,
-                                       sm_scale=sm_scale)
+    _, pos, valid = _token_map(seq_lens, query_start, num_seqs, q.shape[0])
+    out, lse = paged_attention_partial(q, query_start, num_seqs, jnp.where(valid, pos + 1, 0), k_pages, v_pages,
+                                       layer, page_table, sm_scale=sm_scale)
     out = out.astype(q.dtype)
     return (out, lse) if return_lse else out
 
 
-def paged_attention_partial(q: jax.Array, seq: jax.Array, kv_limit: jax.Array, k_pages: jax.Array,
-                            v_pages: jax.Array, layer: jax.Array, page_table: jax.Array, *, sm_scale: float,
-                            page_stride: int = 1, page_offset: jax.Array | int = 0) -> tuple[jax.Array, jax.Array]:
+def paged_attention_partial(q: jax.Array, query_start: jax.Array, num_seqs: jax.Array, kv_limit: jax.Array,
+                            k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array, page_table: jax.Array, *,
+                            sm_scale: float, page_stride: int = 1, page_offset: jax.Array | int = 0,
+                            block_q: int = BLOCK_Q, block_pages: tuple[int, int] = BLOCK_PAGES
+                            ) -> tuple[jax.Array, jax.Array]:
     """Attention of each query token over part of its sequence's keys: the general form of the reference.
 
-    Token n reads the keys of sequence seq[n] at positions below kv_limit[n] (causal: position + 1; none
-    when 0). Entry j of a page table holds the sequence's page j * page_stride + page_offset: a rank of sp
-    holds every sp-th page. Returns float32 (out [N, H, D], lse [N, H]), 0 and -inf where no key is visible,
-    so partials over disjoint pages merge exactly (`merge_partials`).
+    Sequence s < num_seqs owns tokens [query_start[s], query_start[s + 1]); token n reads its keys at
+    positions below kv_limit[n] (causal: position + 1; none when 0); tokens of no sequence read none.
+    Entry j of a page table holds the sequence's page j * page_stride + page_offset: a rank of sp holds
+    every sp-th page. Returns float32 (out [N, H, D], lse [N, H]), 0 and -inf where no key is visible, so
+    partials over disjoint pages merge exactly (`merge_partials`).
 
-    Each iteration gathers page j of every token's sequence ([N, KV, P, D]); the loop stops at the last
-    page any token needs, so memory per step is O(N x KV x P x D), never O(N x max_len).
+    A loop over the sequences; each walks its own table entries up to what its tokens need, gathering
+    each block of entries once. A block's keys update the online softmax of the sequence's tokens that
+    see any of them, `block_q` tokens at a time, or one at a time for a one-token sequence, so a decode
+    pays for one row; blocks hold block_pages[0] entries for one-token sequences (fewer, larger gathers),
+    block_pages[1] for longer ones. Work follows each sequence's own length and query count, never the
+    step's longest; memory is O(N x H x D) for the state plus one block of K/V.
     """
-    chex.assert_rank([q, k_pages, page_table, seq, kv_limit], [3, 5, 2, 1, 1])
+    chex.assert_rank([q, k_pages, page_table, query_start, kv_limit], [3, 5, 2, 1, 1])
     chex.assert_equal_shape([k_pages, v_pages])
+    chex.assert_shape(kv_limit, q.shape[:1])
+    chex.assert_shape(query_start, (page_table.shape[0] + 1,))
     n, h, d = q.shape
     _, kv, num_pages, page, _ = k_pages.shape
-    tables = page_table[jnp.clip(seq, 0, page_table.shape[0] - 1)]    # [N, pages]
-    qg = q.reshape(n, kv, h // kv, d)
-    kv_off = jnp.arange(page, dtype=jnp.int32)
+    group, width = h // kv, page_table.shape[1]
+    tables = jnp.pad(page_table, ((0, 0), (0, max(block_pages))))   # a sequence's last block may run past the width
+    rows = n + block_q                                   # room for a window that starts at the last token
+    qt = jnp.pad(q.reshape(n, kv, group, d).transpose(1, 0, 2, 3), ((0, 0), (0, block_q), (0, 0), (0, 0)))
+    tok = jnp.arange(rows, dtype=jnp.int32)
+    seq = _token_seq(query_start, rows)
+    limit = jnp.where(seq < num_seqs, jnp.pad(kv_limit.astype(jnp.int32), (0, block_q)), 0)
+    in_page = jnp.arange(page, dtype=jnp.int32)
 
-    def body(j, carry):
-        m, denom, acc = carry
-        pid = jnp.clip(tables[:, j], 0, num_pages - 1)                # entries past a sequence are arbitrary
-        k, v = k_pages[layer, :, pid], v_pages[layer, :, pid]         # [N, KV, P, D]
-        s = jnp.einsum("nkgd,nkpd->nkgp", qg, k, preferred_element_type=jnp.float32) * sm_scale
-        key_pos = (j * page_stride + page_offset) * page + kv_off
-        visible = key_pos[None, :] < kv_limit[:, None]                # [N, P]
-        s = jnp.where(visible[:, None, None, :], s, _MASK)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.exp(s - m_new[..., None])
-        corr = jnp.exp(m - m_new)
-        pv = jnp.einsum("nkgp,nkpd->nkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return m_new, corr * denom + p.sum(-1), corr[..., None] * acc + pv
+    def sequence(s, state):
+        t0, t_end = query_start[s], query_start[s + 1]
+        lim = jnp.where(seq == s, limit, 0)                  # 0 for tokens of other sequences
+        # table entries j with (j * stride + offset) * page < limit, for the neediest token
+        needed = jnp.clip((-(-lim.max() // page) - page_offset + page_stride - 1) // page_stride, 0, width)
 
-    # pages j with (j * stride + offset) * page < limit, for the neediest token
-    needed = (-(-kv_limit // page) - page_offset + page_stride - 1) // page_stride
-    n_iter = jnp.clip(jnp.max(needed, initial=0), 0, tables.shape[1])
-    init = (jnp.full(qg.shape[:3], -jnp.inf, jnp.float32), jnp.zeros(qg.shape[:3], jnp.float32),
-            jnp.zeros(qg.shape, jnp.float32))
-    m, denom, acc = lax.fori_loop(0, n_iter, body, init)
+        def blocks(size: int, window: int, state):
+            """The sequence's blocks of `size` table entries, each into its tokens, `window` at a time."""
+
+            def kv_block(b, state):
+                j = b * size + jnp.arange(size, dtype=jnp.int32)
+                pid = jnp.clip(lax.dynamic_slice_in_dim(tables[s], b * size, size), 0, num_pages - 1)
+                k, v = (x[layer, :, pid].transpose(1, 0, 2, 3).reshape(kv, size * page, d)  # [KV, C, D]
+                        for x in (k_pages, v_pages))
+                key_pos = ((j * page_stride + page_offset)[:, None] * page + in_page).reshape(-1)
+                update = functools.partial(_update, window=window, qt=qt, lim=lim, k=k, v=v, key_pos=key_pos,
+                                           sm_scale=sm_scale)
+                if window == 1:
+                    return update(state, t0)
+                first = jnp.min(jnp.where(lim > key_pos[0], tok, t_end))   # first token that sees one of them
+                return lax.fori_loop(0, (t_end - first + window - 1) // window,
+                                     lambda i, st: update(st, first + i * window), state)
+
+            return lax.fori_loop(0, -(-needed // size), kv_block, state)
+
+        decode, chunk = (min(b, width) for b in block_pages)
+        return lax.cond(t_end - t0 == 1, functools.partial(blocks, decode, 1),
+                        functools.partial(blocks, chunk, block_q), state)
+
+    # per token and head: the output accumulator, then the running max and the softmax denominator
+    state = jnp.concatenate([jnp.zeros((kv, rows, group, d), jnp.float32),
+                             jnp.full((kv, rows, group, 1), -jnp.inf, jnp.float32),
+                             jnp.zeros((kv, rows, group, 1), jnp.float32)], axis=-1)
+    state = lax.fori_loop(0, num_seqs, sequence, state)
+    acc, m, denom = state[:, :n, :, :d], state[:, :n, :, d], state[:, :n, :, d + 1]
     seen = m > _MASK                  # some key was visible (with none, masked keys would add p = 1 each)
     out = jnp.where(seen[..., None], acc / jnp.where(denom > 0, denom, 1.0)[..., None], 0)
     lse = jnp.where(seen, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
-    return out.reshape(n, h, d), lse.reshape(n, h)
+    return out.transpose(1, 0, 2, 3).reshape(n, h, d), lse.transpose(1, 0, 2).reshape(n, h)
+
+
+def _update(state: jax.Array, t: jax.Array, *, window: int, qt: jax.Array, lim: jax.Array, k: jax.Array,
+            v: jax.Array, key_pos: jax.Array, sm_scale: float) -> jax.Array:
+    """Online softmax step of tokens [t, t + window) over one block of keys (k, v: [KV, C, D]) in the state
+    [KV, rows, G, D + 2]. A window may reach into the next sequence's tokens: their limit is 0 here, so
+    all their scores are _MASK, which changes nothing once they have seen a key (p = 0) and is wiped
+    out by the first key they see (corr = 0); with none ever, they end as unseen."""
+    d = k.shape[-1]
+    # materialised: a slice fused into its readers could read the whole state after the in-place update below,
+    # which XLA would avoid by copying the whole state every iteration
+    old = lax.optimization_barrier(lax.dynamic_slice_in_dim(state, t, window, axis=1))
+    acc, m, denom = old[..., :d], old[..., d], old[..., d + 1]
+    q = lax.dynamic_slice_in_dim(qt, t, window, axis=1)                         # [KV, W, G, D]
+    s = jnp.einsum("kwgd,kcd->kwgc", q, k, preferred_element_type=jnp.float32) * sm_scale
+    visible = key_pos[None, :] < lax.dynamic_slice_in_dim(lim, t, window)[:, None]     # [W, C]
+    s = jnp.where(visible[None, :, None, :], s, _MASK)
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.exp(s - m_new[..., None])
+    corr = jnp.exp(m - m_new)
+    pv = jnp.einsum("kwgc,kcd->kwgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    new = jnp.concatenate([corr[..., None] * acc + pv, m_new[..., None], (corr * denom + p.sum(-1))[..., None]], -1)
+    return lax.dynamic_update_slice_in_dim(state, new, t, axis=1)
 
 
 def merge_partials(outs: jax.Array, lses: jax.Array) -> tuple[jax.Array, jax.Array]:

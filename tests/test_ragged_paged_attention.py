@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from jaxinfer.pallas_kernels.ragged_paged_attention import (
+    merge_partials,
+    paged_attention_partial,
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
@@ -121,6 +123,12 @@ CASES = {
                         tokens=56, slots=6, layers=3, layer=2, num_pages=24, shared=2),
     # A head group of 3 (padded to 4 inside the kernel).
     "gqa3": Case([(1, 33), (7, 18)], heads=6, kv_heads=2, head_dim=16, tokens=16, slots=2, num_pages=8),
+    # Long next to short: a decode at 1,100 tokens (69 pages: several page blocks of the reference, the last
+    # one partial), short decodes, a 40-token chunk after 560 tokens of context (two query windows, the
+    # second running into the next sequence's tokens), a 3-token prompt, a 37-token prompt before 12
+    # padding tokens; a 128-entry page table (the engine's power-of-two bucket), pages scattered.
+    "long_mixed": Case([(1, 1100), (1, 5), (40, 600), (1, 17), (3, 3), (1, 64), (37, 37)], heads=4, kv_heads=2,
+                       head_dim=16, tokens=96, slots=8, num_pages=128, max_pages=128),
     "gqa4_bf16": Case([(1, 1), (17, 17), (1, 100), (20, 37)], heads=8, kv_heads=2, head_dim=64, tokens=48,
                       slots=5, num_pages=24, dtype="bfloat16"),
     "gqa8_bf16": Case([(1, 50), (12, 12), (1, 16)], heads=16, kv_heads=2, head_dim=32, tokens=16, slots=4,
@@ -146,7 +154,7 @@ def test_reference_and_kernel(name: str):
     assert not np.any(np.asarray(out[real:], np.float32))
 
 
-@pytest.mark.parametrize("name", ["gqa4_mixed", "gqa3", "gqa8_bf16"])
+@pytest.mark.parametrize("name", ["gqa4_mixed", "gqa3", "gqa8_bf16", "long_mixed"])
 def test_log_sum_exp(name: str):
     """return_lse: the same output, and each row's log-sum-exp (what merging partial attention needs)."""
     c = CASES[name]
@@ -162,6 +170,28 @@ def test_log_sum_exp(name: str):
         assert np.all(np.isneginf(np.asarray(lse[real:])))
     np.testing.assert_array_equal(np.asarray(run_reference(inp, scale, return_lse=True)[0]),
                                   np.asarray(run_reference(inp, scale)))
+
+
+def test_partials_over_strided_pages_merge_to_whole():
+    """As a rank of sp=2 reads them: every other page of each sequence (page_stride 2, page_offset 0 or 1),
+    the two partials merged by their log-sum-exps equal attention over all pages."""
+    c = CASES["long_mixed"]
+    inp = make_inputs(c, seed=2)
+    scale = c.head_dim ** -0.5
+    qs, seq_lens = np.asarray(inp["query_start"]), np.asarray(inp["seq_lens"])
+    limit = np.zeros(c.tokens, np.int32)                       # causal: position + 1 (0 for padding)
+    for s in range(len(c.seqs)):
+        limit[qs[s]: qs[s + 1]] = seq_lens[s] - (qs[s + 1] - qs[s]) + np.arange(qs[s + 1] - qs[s]) + 1
+    table = inp["page_table"].reshape(c.slots, c.max_pages // 2, 2)
+    parts = [jax.jit(functools.partial(paged_attention_partial, sm_scale=scale, page_stride=2, page_offset=r))(
+        inp["q"], inp["query_start"], inp["num_seqs"], jnp.asarray(limit), inp["k_pages"], inp["v_pages"],
+        inp["layer"], table[:, :, r]) for r in (0, 1)]
+    out, lse = merge_partials(jnp.stack([o for o, _ in parts]), jnp.stack([x for _, x in parts]))
+    dense, dense_lse = dense_attention(inp, scale, with_lse=True)
+    real = int(qs[len(c.seqs)])
+    np.testing.assert_allclose(np.asarray(out, np.float64), dense, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse[:real], np.float64), dense_lse[:real], atol=1e-5, rtol=1e-5)
+    assert np.all(np.isneginf(np.asarray(lse[real:])))
 
 
 def test_only_padding_gives_zeros():

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxinfer.attention.paged import KV, META_AXES, Q, one_replica
-from jaxinfer.batch import StepMetadata
+from jaxinfer.batch import StepMetadata, ring_order
 from jaxinfer.kv_cache import POOL_AXES, PagedKVCache
 from jaxinfer.pallas_kernels.ragged_paged_attention import merge_partials, paged_attention_partial
 from jaxinfer.pallas_kernels.rope_cache import rope, write_pages
@@ -81,10 +82,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, lay
 
         def over_own_pages(q_all: jax.Array, kv_limit: jax.Array) -> tuple[jax.Array, jax.Array]:
             """Every token of the row over this rank's pages, then to each rank the partials of its tokens:
-            [W, n, H, D] and [W, n, H] (index: the rank whose pages they cover)."""
-            out, lse = paged_attention_partial(q_all, m.token_seq, jnp.where(m.token_seq >= 0, kv_limit, 0),
+            [W, n, H, D] and [W, n, H] (index: the rank whose pages they cover). The reference takes each
+            sequence's tokens contiguous: the row goes back to its natural order and returns to ring order."""
+            order = ring_order(n * W, W)
+            natural = np.argsort(order)
+            out, lse = paged_attention_partial(q_all[natural], m.query_start, m.num_seqs, kv_limit[natural],
                                                k_pages, v_pages, layer, tables, sm_scale=scale, page_stride=W,
                                                page_offset=rank)
+            out, lse = out[order], lse[order]
             both = lax.all_to_all(jnp.concatenate([out, lse[..., None]], -1), axis, 0, 0, tiled=True)
             both = both.reshape(W, n, *both.shape[1:])
             return both[..., :-1], both[..., -1]
