@@ -25,6 +25,7 @@ import math
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -38,7 +39,7 @@ BLOCK_PAGES = (32, 16)  # reference: table entries gathered per block, for one-t
 
 def _token_seq(query_start: jax.Array, n: int) -> jax.Array:
     """The sequence slot of each of n flat tokens (S past the last slot's end). A comparison per token and
-    slot rather than a binary search: one small fused kernel instead of a loop, for tiny shapes alike."""
+    slot, not a binary search: one fused kernel, where a search is a loop of several to compile."""
     tok = jnp.arange(n, dtype=jnp.int32)
     return (tok[:, None] >= query_start[None, 1:]).sum(-1, dtype=jnp.int32)
 
@@ -82,11 +83,13 @@ def paged_attention_partial(q: jax.Array, query_start: jax.Array, num_seqs: jax.
     partials over disjoint pages merge exactly (`merge_partials`).
 
     A loop over the sequences; each walks its own table entries up to what its tokens need, gathering
-    each block of entries once. A block's keys update the online softmax of the sequence's tokens that
-    see any of them, `block_q` tokens at a time, or one at a time for a one-token sequence, so a decode
-    pays for one row; blocks hold block_pages[0] entries for one-token sequences (fewer, larger gathers),
-    block_pages[1] for longer ones. Work follows each sequence's own length and query count, never the
-    step's longest; memory is O(N x H x D) for the state plus one block of K/V.
+    each block of entries once, and a block's keys update the online softmax of the sequence's tokens
+    that see any of them, a window of W tokens at a time. Work follows each sequence's own length and
+    query count, never the step's longest; memory is O(N x H x D) for the state plus one block of K/V.
+    W = 1 for a one-token sequence (a decode pays for one row), block_q for longer ones; blocks hold
+    block_pages[0] table entries at W = 1 (fewer, larger gathers), block_pages[1] otherwise. XLA:CPU
+    compiles every kernel on its own, so each window size costs a copy of the attention body in compile
+    time: a shape that holds only one kind of sequence gets one (`_windows`).
     """
     chex.assert_rank([q, k_pages, page_table, query_start, kv_limit], [3, 5, 2, 1, 1])
     chex.assert_equal_shape([k_pages, v_pages])
@@ -94,67 +97,80 @@ def paged_attention_partial(q: jax.Array, query_start: jax.Array, num_seqs: jax.
     chex.assert_shape(query_start, (page_table.shape[0] + 1,))
     n, h, d = q.shape
     _, kv, num_pages, page, _ = k_pages.shape
-    group, width = h // kv, page_table.shape[1]
-    tables = jnp.pad(page_table, ((0, 0), (0, max(block_pages))))   # a sequence's last block may run past the width
-    rows = n + block_q                                   # room for a window that starts at the last token
-    qt = jnp.pad(q.reshape(n, kv, group, d).transpose(1, 0, 2, 3), ((0, 0), (0, block_q), (0, 0), (0, 0)))
-    tok = jnp.arange(rows, dtype=jnp.int32)
+    (slots, width), group = page_table.shape, h // kv
+    windows = _windows(n, slots, block_q)
+    rows = n + windows[-1]                                   # room for a window that starts at the last token
+    tables = jnp.pad(page_table, ((0, 0), (0, max(block_pages))))  # a sequence's last block may run past the width
+    qt = jnp.pad(q.reshape(n, kv, group, d).transpose(1, 0, 2, 3), ((0, 0), (0, rows - n), (0, 0), (0, 0)))
+    tok = np.arange(rows, dtype=np.int32)   # numpy constants here and below: nothing to compute at run time
     seq = _token_seq(query_start, rows)
-    limit = jnp.where(seq < num_seqs, jnp.pad(kv_limit.astype(jnp.int32), (0, block_q)), 0)
-    in_page = jnp.arange(page, dtype=jnp.int32)
+    limit = jnp.where(seq < num_seqs, jnp.pad(kv_limit.astype(jnp.int32), (0, rows - n)), 0)
+    # per sequence: table entries j with (j * stride + offset) * page < limit, for its neediest token
+    most = jnp.where(seq == np.arange(slots, dtype=np.int32)[:, None], limit, 0).max(-1)
+    needed = jnp.clip((-(-most // page) - page_offset + page_stride - 1) // page_stride, 0, width)
 
     def sequence(s, state):
         t0, t_end = query_start[s], query_start[s + 1]
         lim = jnp.where(seq == s, limit, 0)                  # 0 for tokens of other sequences
-        # table entries j with (j * stride + offset) * page < limit, for the neediest token
-        needed = jnp.clip((-(-lim.max() // page) - page_offset + page_stride - 1) // page_stride, 0, width)
 
-        def blocks(size: int, window: int, state):
-            """The sequence's blocks of `size` table entries, each into its tokens, `window` at a time."""
+        def blocks(window: int, one_token: bool, state):
+            """The sequence's blocks of table entries, each into its tokens, `window` at a time."""
+            size = min(block_pages[window > 1], width)
+            key_offsets = (np.arange(size, dtype=np.int32)[:, None] * page_stride * page
+                           + np.arange(page, dtype=np.int32)).reshape(-1)
 
             def kv_block(b, state):
-                j = b * size + jnp.arange(size, dtype=jnp.int32)
-                pid = jnp.clip(lax.dynamic_slice_in_dim(tables[s], b * size, size), 0, num_pages - 1)
+                pid = jnp.clip(lax.dynamic_slice(tables, (s, b * size), (1, size))[0], 0, num_pages - 1)
                 k, v = (x[layer, :, pid].transpose(1, 0, 2, 3).reshape(kv, size * page, d)  # [KV, C, D]
                         for x in (k_pages, v_pages))
-                key_pos = ((j * page_stride + page_offset)[:, None] * page + in_page).reshape(-1)
-                update = functools.partial(_update, window=window, qt=qt, lim=lim, k=k, v=v, key_pos=key_pos,
-                                           sm_scale=sm_scale)
-                if window == 1:
+                v = jnp.concatenate([v, jnp.ones_like(v[..., :1])], -1)   # p @ [v | 1]: the denominator too
+                first_key = (b * size * page_stride + page_offset) * page
+                update = functools.partial(_update, window=window, qt=qt, lim=lim, k=k, v=v,
+                                           key_pos=first_key + key_offsets, sm_scale=sm_scale)
+                if one_token:
                     return update(state, t0)
-                first = jnp.min(jnp.where(lim > key_pos[0], tok, t_end))   # first token that sees one of them
+                first = jnp.min(jnp.where(lim > first_key, tok, t_end))   # first token that sees one of them
                 return lax.fori_loop(0, (t_end - first + window - 1) // window,
                                      lambda i, st: update(st, first + i * window), state)
 
-            return lax.fori_loop(0, -(-needed // size), kv_block, state)
+            return lax.fori_loop(0, (needed[s] + size - 1) // size, kv_block, state)
 
-        decode, chunk = (min(b, width) for b in block_pages)
-        return lax.cond(t_end - t0 == 1, functools.partial(blocks, decode, 1),
-                        functools.partial(blocks, chunk, block_q), state)
+        if len(windows) == 1:
+            return blocks(windows[0], False, state)
+        return lax.cond(t_end - t0 == 1, functools.partial(blocks, 1, True), functools.partial(blocks, block_q, False),
+                        state)
 
-    # per token and head: the output accumulator, then the running max and the softmax denominator
-    state = jnp.concatenate([jnp.zeros((kv, rows, group, d), jnp.float32),
-                             jnp.full((kv, rows, group, 1), -jnp.inf, jnp.float32),
-                             jnp.zeros((kv, rows, group, 1), jnp.float32)], axis=-1)
+    # per token and head: the output accumulator, the softmax denominator, the running max
+    state = jnp.concatenate([jnp.zeros((kv, rows, group, d + 1), jnp.float32),
+                             jnp.full((kv, rows, group, 1), -jnp.inf, jnp.float32)], axis=-1)
     state = lax.fori_loop(0, num_seqs, sequence, state)
-    acc, m, denom = state[:, :n, :, :d], state[:, :n, :, d], state[:, :n, :, d + 1]
+    acc, denom, m = state[:, :n, :, :d], state[:, :n, :, d], state[:, :n, :, d + 1]
     seen = m > _MASK                  # some key was visible (with none, masked keys would add p = 1 each)
     out = jnp.where(seen[..., None], acc / jnp.where(denom > 0, denom, 1.0)[..., None], 0)
     lse = jnp.where(seen, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
     return out.transpose(1, 0, 2, 3).reshape(n, h, d), lse.transpose(1, 0, 2).reshape(n, h)
 
 
+def _windows(tokens: int, slots: int, block_q: int) -> tuple[int, ...]:
+    """Window sizes for a step shape: (1,) with no more tokens than sequence slots (decode steps; a longer
+    sequence there goes a token at a time), (min(tokens, block_q),) with one slot, else (1, block_q), one
+    or the other per sequence by its token count."""
+    if tokens <= slots:
+        return (1,)
+    if slots == 1:
+        return (min(tokens, block_q),)
+    return (1, block_q)
+
+
 def _update(state: jax.Array, t: jax.Array, *, window: int, qt: jax.Array, lim: jax.Array, k: jax.Array,
             v: jax.Array, key_pos: jax.Array, sm_scale: float) -> jax.Array:
-    """Online softmax step of tokens [t, t + window) over one block of keys (k, v: [KV, C, D]) in the state
-    [KV, rows, G, D + 2]. A window may reach into the next sequence's tokens: their limit is 0 here, so
-    all their scores are _MASK, which changes nothing once they have seen a key (p = 0) and is wiped
-    out by the first key they see (corr = 0); with none ever, they end as unseen."""
-    d = k.shape[-1]
-    # materialised: a slice fused into its readers could read the whole state after the in-place update below,
-    # which XLA would avoid by copying the whole state every iteration
-    old = lax.optimization_barrier(lax.dynamic_slice_in_dim(state, t, window, axis=1))
-    acc, m, denom = old[..., :d], old[..., d], old[..., d + 1]
+    """Online softmax step of tokens [t, t + window) over one block of keys (k [KV, C, D], v [KV, C, D + 1]
+    with a column of ones) in the state [KV, rows, G, D + 2] (accumulator, denominator, running max).
+    A window may reach into the next sequence's tokens: their limit is 0 here, so all their scores are
+    _MASK, which changes nothing once they have seen a key (p = 0) and is wiped out by the first key
+    they see (corr = 0); with none ever, they end as unseen."""
+    old = lax.dynamic_slice_in_dim(state, t, window, axis=1)
+    m = old[..., -1]
     q = lax.dynamic_slice_in_dim(qt, t, window, axis=1)                         # [KV, W, G, D]
     s = jnp.einsum("kwgd,kcd->kwgc", q, k, preferred_element_type=jnp.float32) * sm_scale
     visible = key_pos[None, :] < lax.dynamic_slice_in_dim(lim, t, window)[:, None]     # [W, C]
@@ -162,8 +178,8 @@ def _update(state: jax.Array, t: jax.Array, *, window: int, qt: jax.Array, lim: 
     m_new = jnp.maximum(m, s.max(-1))
     p = jnp.exp(s - m_new[..., None])
     corr = jnp.exp(m - m_new)
-    pv = jnp.einsum("kwgc,kcd->kwgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    new = jnp.concatenate([corr[..., None] * acc + pv, m_new[..., None], (corr * denom + p.sum(-1))[..., None]], -1)
+    pv = jnp.einsum("kwgc,kcd->kwgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [.., D + 1]
+    new = jnp.concatenate([corr[..., None] * old[..., :-1] + pv, m_new[..., None]], -1)
     return lax.dynamic_update_slice_in_dim(state, new, t, axis=1)
 
 

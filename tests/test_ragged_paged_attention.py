@@ -129,6 +129,12 @@ CASES = {
     # padding tokens; a 128-entry page table (the engine's power-of-two bucket), pages scattered.
     "long_mixed": Case([(1, 1100), (1, 5), (40, 600), (1, 17), (3, 3), (1, 64), (37, 37)], heads=4, kv_heads=2,
                        head_dim=16, tokens=96, slots=8, num_pages=128, max_pages=128),
+    # No more tokens than sequence slots (a decode step's shape: one token per window), a 2-token sequence
+    # among the decodes, a decode over 38 pages (two blocks).
+    "decode_shape": Case([(1, 40), (2, 18), (1, 1), (1, 600)], heads=4, kv_heads=2, head_dim=16, tokens=6, slots=8,
+                         num_pages=64, max_pages=64),
+    # One sequence slot (a lone prompt's shape): a 40-token chunk after 60 tokens, two windows of 32.
+    "one_slot": Case([(40, 100)], heads=4, kv_heads=1, head_dim=16, tokens=48, slots=1, num_pages=16, max_pages=8),
     "gqa4_bf16": Case([(1, 1), (17, 17), (1, 100), (20, 37)], heads=8, kv_heads=2, head_dim=64, tokens=48,
                       slots=5, num_pages=24, dtype="bfloat16"),
     "gqa8_bf16": Case([(1, 50), (12, 12), (1, 16)], heads=16, kv_heads=2, head_dim=32, tokens=16, slots=4,
