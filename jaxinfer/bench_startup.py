@@ -20,7 +20,9 @@ import sys
 import tempfile
 import time
 
-PRESETS = {"bench": ("bench-100m-random-llama", "BENCH_100M"), "small": ("default-random-llama", "DEFAULT")}
+from jaxinfer.bench import PRESETS as BENCH_PRESETS
+
+PRESETS = {"bench": BENCH_PRESETS["dense"], "small": ("default-random-llama", "DEFAULT")}
 
 CHILD = """
 import json, sys, time
