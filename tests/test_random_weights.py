@@ -5,6 +5,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxinfer.layers import unfuse
 from jaxinfer.llm import LLM
 from jaxinfer.random_model import DEFAULT, ensure
 
@@ -15,6 +16,14 @@ def leaves(llm: LLM) -> dict[str, jax.Array]:
     """Every weight by its path, e.g. "layers.0.weights.attn.k"."""
     flat = jax.tree_util.tree_leaves_with_path(llm.weights)
     return {jax.tree_util.keystr(path, simple=True, separator="."): x for path, x in flat}
+
+
+def q_and_k(qkv: np.ndarray, heads: int) -> tuple[np.ndarray, np.ndarray]:
+    """The q and k parts of a fused qkv weight [layers, E, G, (H + 2 KV) / G, D], [layers, E, heads, D] each."""
+    groups, cols = qkv.shape[2:4]
+    kv_cols = (cols - heads // groups) // 2
+    q, k, _ = unfuse(qkv, (heads // groups, kv_cols, kv_cols), axis=2)
+    return np.asarray(q), np.asarray(k)
 
 
 @pytest.mark.parametrize("mesh", ["tp=8", "pp=3"])
@@ -35,19 +44,19 @@ def test_layout_matches_the_checkpoint_loader(mesh: str):
         np.testing.assert_array_equal(a == 0, w == 0, err_msg=f"{name}: zeros exactly where the loader's are")
         if name.endswith("norm"):
             np.testing.assert_array_equal(a[w != 0], 1.0)
+    q, k = q_and_k(np.asarray(drawn["layers.0.weights.attn.qkv"]), SMALL_VOCAB["num_attention_heads"])
     if mesh == "tp=8":   # replicated KV heads are consecutive copies, as np.repeat makes them on load
-        k = np.asarray(drawn["layers.0.weights.attn.k"])      # [layers, E, KV * 2, D]
+        assert k.shape[2] == 2 * SMALL_VOCAB["num_key_value_heads"]    # [layers, E, KV * 2, D]
         np.testing.assert_array_equal(k[:, :, 0::2], k[:, :, 1::2])
         assert not np.array_equal(k[:, :, 0], k[:, :, 2])
         assert drawn["embed.table"].shape[0] == 264
-    q = np.asarray(drawn["layers.0.weights.attn.q"])          # HF q_proj [H*D, E]: std 1/sqrt(E)
-    q = q[np.any(q != 0, axis=(1, 2, 3))]                     # the real layer slots
+    q = q[np.any(q != 0, axis=(1, 2, 3))]                     # the real layer slots; HF q_proj: std 1/sqrt(E)
     np.testing.assert_allclose(q.std(), 1 / np.sqrt(DEFAULT["hidden_size"]), rtol=0.05)
     llm.close()
 
 
 def test_seeded():
     a, b, c = (LLM.random(DEFAULT, dtype="float32", seed=s, num_pages=4, compilation_cache=False) for s in (0, 0, 1))
-    x, y, z = (np.asarray(m.weights.layers[0].weights.mlp.up) for m in (a, b, c))
+    x, y, z = (np.asarray(m.weights.layers[0].weights.mlp.gate_up) for m in (a, b, c))
     np.testing.assert_array_equal(x, y)
     assert not np.allclose(x, z)
