@@ -59,6 +59,25 @@ class LayerStack:
         return self.stages is not None and any(i is None for s in self.stages for i in s)
 
 
+def one_stack_per_layer(weights: Weights) -> Weights:
+    """Weight specs regrouped so that every layer is a stack of its own (one array per layer and weight),
+    for the unrolled layer loop (`scan_layers=False`).
+
+    A scan reads layer i's weights by a dynamic slice of the stacked arrays, and XLA:CPU copies that slice
+    before each matmul: every decode step then writes and reads the weights once more than it needs to,
+    which triples a memory-bound step's traffic. Separate arrays are read in place; the price is a program
+    that grows with depth, so compile time does too."""
+    out = []
+    for stack in weights.layers:
+        ids = jax.tree.leaves(stack.weights, is_leaf=is_spec)[0].layer_ids or tuple(range(stack.size))
+        for i, layer in enumerate(ids):
+            def one(p: ParamSpec, layer=layer) -> ParamSpec:
+                return dataclasses.replace(p, shape=(1, *p.shape[1:]), layer_ids=(layer,))
+            specs = jax.tree.map(lambda s, one=one: s.map_parts(one), stack.weights, is_leaf=is_spec)
+            out.append(LayerStack(specs, first=stack.first + i))
+    return dataclasses.replace(weights, layers=tuple(out))
+
+
 @struct.dataclass
 class Weights:
     """A model's weights: its embedding, its layer stacks in order, and its head (each the model's own
@@ -156,7 +175,11 @@ def run_layers(layer: LayerFn, stacks: tuple[LayerStack, ...], x: jax.Array, cac
         ids = jnp.arange(stack.first, stack.first + stack.size, dtype=jnp.int32)
         real = (jnp.asarray([[i is not None for i in s] for s in stack.stages])[ctx.stage] if stack.padded
                 else None)
-        (x, cache), aux = jax.lax.scan(body, (x, cache), (stack.weights, ids, real))
+        if stack.size == 1:   # no loop: the layer reads its weights where they are (see one_stack_per_layer)
+            (x, cache), aux = body((x, cache), jax.tree.map(lambda a: a[0], (stack.weights, ids, real)))
+            aux = None if aux is None else aux[None]
+        else:
+            (x, cache), aux = jax.lax.scan(body, (x, cache), (stack.weights, ids, real))
         if aux is not None:
             counts.append(aux)
     return x, cache, jnp.concatenate(counts) if counts else None

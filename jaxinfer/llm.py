@@ -20,7 +20,7 @@ from jaxinfer.compilation_cache import enable_compilation_cache
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import Completion, Engine
 from jaxinfer.engine_loop import EngineLoop, RequestStream
-from jaxinfer.layers import Weights
+from jaxinfer.layers import Weights, one_stack_per_layer
 from jaxinfer.mesh import MeshConfig
 from jaxinfer.models import model_for
 from jaxinfer.pipeline import split_stages
@@ -100,11 +100,22 @@ class LLM:
         specs = self.model.weights(kv_repeat=kv_head_repeat(self.config, self.layout.axis_size("kv_heads")),
                                    vocab_multiple=self.layout.axis_size("vocab"),
                                    column_shards=self.layout.axis_size("heads"))
-        specs = split_stages(specs, self.config.num_layers, self.layout.axis_size("layers"))
+        stages = self.layout.axis_size("layers")
+        specs = split_stages(specs, self.config.num_layers, stages)
+        if not self._scan_layers(engine_config.scan_layers, stages):
+            specs = one_stack_per_layer(specs)
         self.engine = Engine(self.model, self.layout, make_weights(specs), self.dtype, engine_config, self.tokenizer)
         self.loop = EngineLoop(self.engine)
         log.info("loaded %s (%s) on mesh %s in %s", self.source, self.config.architecture, self.mesh_config,
                  jnp.dtype(self.dtype).name)
+
+    def _scan_layers(self, asked: bool | None, stages: int) -> bool:
+        """Scan by default, except on CPU (jaxinfer.layers.one_stack_per_layer); a pipeline always scans."""
+        if asked is False and stages > 1:
+            raise ValueError("scan_layers=False needs pp=1: pipeline stages hold their layers as stacks")
+        if asked is None:
+            return stages > 1 or self.layout.mesh.devices.flat[0].platform != "cpu"
+        return asked
 
     @property
     def source(self) -> str:
