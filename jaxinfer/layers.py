@@ -162,6 +162,13 @@ def run_layers(layer: LayerFn, stacks: tuple[LayerStack, ...], x: jax.Array, cac
     (x, cache, counts or None); the counts of the layers that return them come back stacked, in slot order.
     A stage's padding slots run like any layer, but their output is discarded and their counts are zero."""
     counts = []
+
+    @jax.jit
+    def one_layer(w: Any, x: jax.Array, cache: PagedKVCache, i: jax.Array, meta: StepMetadata):
+        """A layer of a one-layer stack, traced and lowered once for all such layers of its shapes (the
+        unrolled loop's program then holds one copy of the layer, called from each position)."""
+        return layer(w, x, cache, i, dataclasses.replace(ctx, meta=meta))
+
     for stack in stacks:
         def body(carry, xs):
             x, cache = carry
@@ -175,8 +182,9 @@ def run_layers(layer: LayerFn, stacks: tuple[LayerStack, ...], x: jax.Array, cac
         ids = jnp.arange(stack.first, stack.first + stack.size, dtype=jnp.int32)
         real = (jnp.asarray([[i is not None for i in s] for s in stack.stages])[ctx.stage] if stack.padded
                 else None)
-        if stack.size == 1:   # no loop: the layer reads its weights where they are (see one_stack_per_layer)
-            (x, cache), aux = body((x, cache), jax.tree.map(lambda a: a[0], (stack.weights, ids, real)))
+        if stack.size == 1 and stack.stages is None:   # no loop: the layer reads its weights where they are
+            w = jax.tree.map(lambda a: a[0], stack.weights)               # (see one_stack_per_layer)
+            x, cache, aux = one_layer(w, x, cache, ids[0], ctx.meta)
             aux = None if aux is None else aux[None]
         else:
             (x, cache), aux = jax.lax.scan(body, (x, cache), (stack.weights, ids, real))
