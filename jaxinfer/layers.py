@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +58,16 @@ class LayerStack:
     @property
     def padded(self) -> bool:
         return self.stages is not None and any(i is None for s in self.stages for i in s)
+
+
+UNROLL_LAYER_BYTES = 4 << 20   # on CPU, layers whose weights are larger than this are unrolled by default
+
+
+def layer_bytes(weights: Weights, dtype) -> float:
+    """Bytes of an average layer's weights, from the specs (every expert counted)."""
+    leaves = [s for stack in weights.layers for s in jax.tree.leaves(stack.weights, is_leaf=is_spec)]
+    layers = sum(stack.size for stack in weights.layers)
+    return sum(math.prod(s.shape) for s in leaves) * jnp.dtype(dtype).itemsize / layers
 
 
 def one_stack_per_layer(weights: Weights) -> Weights:

@@ -20,7 +20,7 @@ from jaxinfer.compilation_cache import enable_compilation_cache
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import Completion, Engine
 from jaxinfer.engine_loop import EngineLoop, RequestStream
-from jaxinfer.layers import Weights, one_stack_per_layer
+from jaxinfer.layers import UNROLL_LAYER_BYTES, Weights, layer_bytes, one_stack_per_layer
 from jaxinfer.mesh import MeshConfig
 from jaxinfer.models import model_for
 from jaxinfer.pipeline import split_stages
@@ -102,19 +102,22 @@ class LLM:
                                    column_shards=self.layout.axis_size("heads"))
         stages = self.layout.axis_size("layers")
         specs = split_stages(specs, self.config.num_layers, stages)
-        if not self._scan_layers(engine_config.scan_layers, stages):
+        if not self._scan_layers(engine_config.scan_layers, stages, specs):
             specs = one_stack_per_layer(specs)
         self.engine = Engine(self.model, self.layout, make_weights(specs), self.dtype, engine_config, self.tokenizer)
         self.loop = EngineLoop(self.engine)
         log.info("loaded %s (%s) on mesh %s in %s", self.source, self.config.architecture, self.mesh_config,
                  jnp.dtype(self.dtype).name)
 
-    def _scan_layers(self, asked: bool | None, stages: int) -> bool:
-        """Scan by default, except on CPU (jaxinfer.layers.one_stack_per_layer); a pipeline always scans."""
+    def _scan_layers(self, asked: bool | None, stages: int, specs: Weights) -> bool:
+        """Scan by default, except on CPU where a layer's weights outgrow the caches, so that the scan's
+        copy of them costs more than a deeper program's compile time (jaxinfer.layers.one_stack_per_layer);
+        a pipeline always scans."""
         if asked is False and stages > 1:
             raise ValueError("scan_layers=False needs pp=1: pipeline stages hold their layers as stacks")
         if asked is None:
-            return stages > 1 or self.layout.mesh.devices.flat[0].platform != "cpu"
+            cpu = self.layout.mesh.devices.flat[0].platform == "cpu"
+            return stages > 1 or not cpu or layer_bytes(specs, self.dtype) < UNROLL_LAYER_BYTES
         return asked
 
     @property

@@ -12,6 +12,8 @@ Two implementations with one contract:
 - `ragged_paged_attention_reference`: jax.numpy, the engine's CPU path. It goes sequence by sequence,
   each over its own pages only (gathered once per sequence, a block of pages at a time), so a step costs
   what its sequences need, not N tokens x the longest one; memory is O(N x H x D), never O(N x max_len).
+  A decode step whose sequences are of similar length attends all its tokens at once instead
+  (`together_pays`): the same reads, in fewer and larger kernels.
 - `ragged_paged_attention`: a Pallas kernel lowered through Triton. Grid (query block, kv head); a block
   is up to `block_q` tokens of one sequence times the G = H / KV query heads of its kv head, i.e.
   block_q * G rows of one matmul tile, with an online softmax over the pages it needs.
@@ -89,7 +91,10 @@ def paged_attention_partial(q: jax.Array, query_start: jax.Array, num_seqs: jax.
     W = 1 for a one-token sequence (a decode pays for one row), block_q for longer ones; blocks hold
     block_pages[0] table entries at W = 1 (fewer, larger gathers), block_pages[1] otherwise. XLA:CPU
     compiles every kernel on its own, so each window size costs a copy of the attention body in compile
-    time: a shape that holds only one kind of sequence gets one (`_windows`).
+    time: a shape that holds only one kind of sequence gets one (`_windows`). A decode shape (no more
+    tokens than slots) also holds a batched path, taken at run time when no sequence needs more than
+    twice the table entries of the average one (`together_pays`): every token over the same block of
+    its own sequence's entries at once, so the per-sequence loop's fixed cost is paid once per block.
     """
     chex.assert_rank([q, k_pages, page_table, query_start, kv_limit], [3, 5, 2, 1, 1])
     chex.assert_equal_shape([k_pages, v_pages])
@@ -140,15 +145,53 @@ def paged_attention_partial(q: jax.Array, query_start: jax.Array, num_seqs: jax.
         return lax.cond(t_end - t0 == 1, functools.partial(blocks, 1, True), functools.partial(blocks, block_q, False),
                         state)
 
+    def together(state):
+        """Every token at once, a block of table entries at a time, each token over its own sequence's
+        entries: one set of kernels per block instead of one per sequence, paying for the neediest one."""
+        size = min(block_pages[1], width)
+        key_offsets = (np.arange(size, dtype=np.int32)[:, None] * page_stride * page
+                       + np.arange(page, dtype=np.int32)).reshape(-1)
+        token_tables = tables[jnp.minimum(seq, slots - 1)]                # [rows, width + pad]
+
+        def kv_block(b, state):
+            pid = jnp.clip(lax.dynamic_slice_in_dim(token_tables, b * size, size, axis=1), 0, num_pages - 1)
+            k, v = (x[layer, :, pid].transpose(2, 0, 1, 3, 4).reshape(kv, rows, size * page, d)  # [KV, rows, C, D]
+                    for x in (k_pages, v_pages))
+            first_key = (b * size * page_stride + page_offset) * page
+            visible = first_key + key_offsets[None, :] < limit[:, None]   # [rows, C]
+            s = jnp.einsum("kwgd,kwcd->kwgc", qt, k, preferred_element_type=jnp.float32) * sm_scale
+            s = jnp.where(visible[None, :, None, :], s, _MASK)
+            m = state[..., -1]
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.exp(s - m_new[..., None])
+            pv = jnp.einsum("kwgc,kwcd->kwgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            denom = p.sum(-1, keepdims=True)
+            corr = jnp.exp(m - m_new)[..., None]
+            return jnp.concatenate([corr * state[..., :-1] + jnp.concatenate([pv, denom], -1), m_new[..., None]], -1)
+
+        return lax.fori_loop(0, (needed.max() + size - 1) // size, kv_block, state)
+
     # per token and head: the output accumulator, the softmax denominator, the running max
     state = jnp.concatenate([jnp.zeros((kv, rows, group, d + 1), jnp.float32),
                              jnp.full((kv, rows, group, 1), -jnp.inf, jnp.float32)], axis=-1)
-    state = lax.fori_loop(0, num_seqs, sequence, state)
+    if windows == (1,):   # one token per sequence or nearly (a decode step's shape): decide at run time
+        state = lax.cond(together_pays(needed, num_seqs), together,
+                         lambda st: lax.fori_loop(0, num_seqs, sequence, st), state)
+    else:
+        state = lax.fori_loop(0, num_seqs, sequence, state)
     acc, denom, m = state[:, :n, :, :d], state[:, :n, :, d], state[:, :n, :, d + 1]
     seen = m > _MASK                  # some key was visible (with none, masked keys would add p = 1 each)
     out = jnp.where(seen[..., None], acc / jnp.where(denom > 0, denom, 1.0)[..., None], 0)
     lse = jnp.where(seen, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
     return out.transpose(1, 0, 2, 3).reshape(n, h, d), lse.transpose(1, 0, 2).reshape(n, h)
+
+
+def together_pays(needed: jax.Array, num_seqs: jax.Array) -> jax.Array:
+    """Whether a decode-shaped step attends all its tokens at once (each over as many table entries as the
+    neediest sequence) rather than sequence by sequence: when that reads at most twice the entries the
+    sequences need. Sequences of similar length take the batched path and its fewer, larger kernels; a
+    long one among short ones keeps the loop, whose work follows each sequence's own length."""
+    return num_seqs * needed.max() <= 2 * needed.sum()
 
 
 def _windows(tokens: int, slots: int, block_q: int) -> tuple[int, ...]:

@@ -17,6 +17,7 @@ from jaxinfer.pallas_kernels.ragged_paged_attention import (
     paged_attention_partial,
     ragged_paged_attention,
     ragged_paged_attention_reference,
+    together_pays,
 )
 
 INTERPRET = jax.default_backend() != "gpu"   # JAX_PLATFORMS=cuda runs the kernel for real
@@ -133,6 +134,10 @@ CASES = {
     # among the decodes, a decode over 38 pages (two blocks).
     "decode_shape": Case([(1, 40), (2, 18), (1, 1), (1, 600)], heads=4, kv_heads=2, head_dim=16, tokens=6, slots=8,
                          num_pages=64, max_pages=64),
+    # The same shape with sequences of similar length: all tokens at once, not sequence by sequence
+    # (together_pays); a 2-token sequence among them, pages scattered over the pool.
+    "decode_even": Case([(1, 40), (1, 47), (2, 33), (1, 50), (1, 36)], heads=8, kv_heads=2, head_dim=16, tokens=8,
+                        slots=8, num_pages=48, max_pages=8),
     # One sequence slot (a lone prompt's shape): a 40-token chunk after 60 tokens, two windows of 32.
     "one_slot": Case([(40, 100)], heads=4, kv_heads=1, head_dim=16, tokens=48, slots=1, num_pages=16, max_pages=8),
     "gqa4_bf16": Case([(1, 1), (17, 17), (1, 100), (20, 37)], heads=8, kv_heads=2, head_dim=64, tokens=48,
@@ -160,7 +165,14 @@ def test_reference_and_kernel(name: str):
     assert not np.any(np.asarray(out[real:], np.float32))
 
 
-@pytest.mark.parametrize("name", ["gqa4_mixed", "gqa3", "gqa8_bf16", "long_mixed"])
+def test_decode_steps_batch_sequences_of_similar_length():
+    pages = lambda c: [-(-seq_len // c.page) for _, seq_len in c.seqs]  # noqa: E731
+    for name, batched in (("decode_even", True), ("decode_shape", False)):
+        needed = np.asarray(pages(CASES[name]) + [0, 0])                # padding slots need none
+        assert bool(together_pays(needed, len(CASES[name].seqs))) is batched, name
+
+
+@pytest.mark.parametrize("name", ["gqa4_mixed", "gqa3", "gqa8_bf16", "long_mixed", "decode_even"])
 def test_log_sum_exp(name: str):
     """return_lse: the same output, and each row's log-sum-exp (what merging partial attention needs)."""
     c = CASES[name]
@@ -178,10 +190,11 @@ def test_log_sum_exp(name: str):
                                   np.asarray(run_reference(inp, scale)))
 
 
-def test_partials_over_strided_pages_merge_to_whole():
+@pytest.mark.parametrize("name", ["long_mixed", "decode_even"])
+def test_partials_over_strided_pages_merge_to_whole(name: str):
     """As a rank of sp=2 reads them: every other page of each sequence (page_stride 2, page_offset 0 or 1),
     the two partials merged by their log-sum-exps equal attention over all pages."""
-    c = CASES["long_mixed"]
+    c = CASES[name]
     inp = make_inputs(c, seed=2)
     scale = c.head_dim ** -0.5
     qs, seq_lens = np.asarray(inp["query_start"]), np.asarray(inp["seq_lens"])

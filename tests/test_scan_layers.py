@@ -1,10 +1,13 @@
-"""The layer loop two ways: one lax.scan per layer stack (the default off CPU), or unrolled over one array
-per layer and weight (the default on CPU, jaxinfer.layers.one_stack_per_layer). Same logits, same tokens."""
+"""The layer loop two ways: one lax.scan per layer stack, or unrolled over one array per layer and weight
+(jaxinfer.layers.one_stack_per_layer; the default on CPU for large layers). Same logits, same tokens."""
 
+import jax
 import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
+from jaxinfer.layers import UNROLL_LAYER_BYTES, layer_bytes
+from jaxinfer.random_model import DEFAULT
 
 
 @pytest.mark.parametrize("name, mesh", [("llama", "tp=2"), ("qwen3_moe", "ep=2")])
@@ -34,3 +37,18 @@ def test_unrolled_layers_match_the_scan(hf_tiny, golden, name, mesh):
 def test_unrolled_layers_refuse_a_pipeline(hf_tiny):
     with pytest.raises(ValueError, match="scan_layers=False needs pp=1"):
         LLM(hf_tiny / "llama", mesh="pp=2", dtype="float32", scan_layers=False)
+
+
+def test_default_unrolls_only_layers_larger_than_the_caches(hf_tiny):
+    """On CPU the default unrolls a model whose layers hold more than UNROLL_LAYER_BYTES of weights and
+    scans a smaller one, whose compile time would cost more than the scan's copies; elsewhere it scans."""
+    cpu = jax.default_backend() == "cpu"
+    small = LLM(hf_tiny / "llama", dtype="float32", num_pages=4)
+    assert layer_bytes(small.weights, small.dtype) < UNROLL_LAYER_BYTES
+    assert len(small.weights.layers) == 1
+    wide = {**DEFAULT, "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 2}
+    big = LLM.random(wide, dtype="float32", num_pages=4, compilation_cache=False)
+    assert layer_bytes(big.weights, big.dtype) > UNROLL_LAYER_BYTES
+    assert [s.size for s in big.weights.layers] == ([1, 1] if cpu else [2])
+    for llm in (small, big):
+        llm.close()
