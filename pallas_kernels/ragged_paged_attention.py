@@ -151,15 +151,15 @@ def paged_attention_partial(q: jax.Array, query_start: jax.Array, num_seqs: jax.
         size = min(block_pages[1], width)
         key_offsets = (np.arange(size, dtype=np.int32)[:, None] * page_stride * page
                        + np.arange(page, dtype=np.int32)).reshape(-1)
-        token_tables = tables[jnp.minimum(seq, slots - 1)]                # [rows, width + pad]
+        token_tables = tables[jnp.minimum(seq[:n], slots - 1)]            # [n, width + pad]: the n real rows
 
         def kv_block(b, state):
             pid = jnp.clip(lax.dynamic_slice_in_dim(token_tables, b * size, size, axis=1), 0, num_pages - 1)
-            k, v = (x[layer, :, pid].transpose(2, 0, 1, 3, 4).reshape(kv, rows, size * page, d)  # [KV, rows, C, D]
+            k, v = (x[layer, :, pid].transpose(2, 0, 1, 3, 4).reshape(kv, n, size * page, d)  # [KV, n, C, D]
                     for x in (k_pages, v_pages))
             first_key = (b * size * page_stride + page_offset) * page
-            visible = first_key + key_offsets[None, :] < limit[:, None]   # [rows, C]
-            s = jnp.einsum("kwgd,kwcd->kwgc", qt, k, preferred_element_type=jnp.float32) * sm_scale
+            visible = first_key + key_offsets[None, :] < limit[:n, None]  # [n, C]
+            s = jnp.einsum("kwgd,kwcd->kwgc", qt[:, :n], k, preferred_element_type=jnp.float32) * sm_scale
             s = jnp.where(visible[None, :, None, :], s, _MASK)
             m = state[..., -1]
             m_new = jnp.maximum(m, s.max(-1))
@@ -169,7 +169,8 @@ def paged_attention_partial(q: jax.Array, query_start: jax.Array, num_seqs: jax.
             corr = jnp.exp(m - m_new)[..., None]
             return jnp.concatenate([corr * state[..., :-1] + jnp.concatenate([pv, denom], -1), m_new[..., None]], -1)
 
-        return lax.fori_loop(0, (needed.max() + size - 1) // size, kv_block, state)
+        done = lax.fori_loop(0, (needed.max() + size - 1) // size, kv_block, state[:, :n])
+        return state.at[:, :n].set(done)       # the row past the last token is the loop's room, unused here
 
     # per token and head: the output accumulator, the softmax denominator, the running max
     state = jnp.concatenate([jnp.zeros((kv, rows, group, d + 1), jnp.float32),
