@@ -307,26 +307,62 @@ class Engine:
             self.abort(r.id)
 
     def score(self, sequences: list[list[int]]) -> list[np.ndarray]:
-        """float32 logits [T, V] of each sequence (up to the full context), computed in chunks of the step
-        budget through replica 0's pages, which are returned after each sequence."""
+        """float32 logits [T, V] of each sequence (up to the full context).
+
+        Sequences are packed into steps as prompts are: each replica takes whole sequences while it has pages
+        for them (at most max_num_seqs at once) and fills each step's token budget with their next tokens, so
+        short sequences share a step and long ones run in chunks; each sequence's pages are returned as soon
+        as it is scored."""
         for ids in sequences:
             self.check_prompt(ids, generate=False)
-        pool, out = self.schedulers[0].pool, []
-        idle = [SchedulerOutput([]) for _ in self.schedulers[1:]]
-        for ids in sequences:
-            pages = pool.allocate(-(-len(ids) // pool.page_size))
-            if pages is None:
-                raise RequestError("the KV page pool is too busy to score now; retry when the engine is idle")
-            try:
-                chunks = []
-                for start in range(0, len(ids), self.max_tokens):
-                    chunk = list(ids[start: start + self.max_tokens])
-                    seq = ScheduledSequence("score", chunk, start, pages, GREEDY, 0, samples=False, prefill=True)
-                    logits = self.runner.score(pack([SchedulerOutput([seq]), *idle], pool.page_size,
-                                                    self.pages_per_replica, sp=self.sp))
-                    natural = np.argsort(ring_order(logits.shape[1], self.sp))   # rows back in token order
-                    chunks.append(logits[0, natural[: len(chunk)]])
-            finally:
-                pool.release(pages)
-            out.append(np.concatenate(chunks))
-        return out
+        rows: list[list[np.ndarray]] = [[] for _ in sequences]
+        waiting = collections.deque(range(len(sequences)))
+        held: list[list[_Scoring]] = [[] for _ in self.schedulers]
+        try:
+            while waiting or any(held):
+                for pool, mine in zip((s.pool for s in self.schedulers), held, strict=True):
+                    while waiting and len(mine) < self.config.max_num_seqs:
+                        pages = pool.allocate(-(-len(sequences[waiting[0]]) // pool.page_size))
+                        if pages is None:
+                            break
+                        mine.append(_Scoring(waiting.popleft(), pages))
+                if not any(held):
+                    raise RequestError("the KV page pool is too busy to score now; retry when the engine is idle")
+                outputs = [SchedulerOutput(self._score_chunks(sequences, mine)) for mine in held]
+                logits = self.runner.score(pack(outputs, self.config.page_size, self.pages_per_replica, sp=self.sp))
+                logits = logits[:, np.argsort(ring_order(logits.shape[1], self.sp))]   # rows back in token order
+                for pool, out, row, mine in zip((s.pool for s in self.schedulers), outputs, logits, held,
+                                                strict=True):
+                    offsets = np.cumsum([0] + [len(seq.token_ids) for seq in out.sequences])
+                    for s, a, b in zip(mine, offsets[:-1], offsets[1:], strict=False):
+                        rows[s.index].append(row[a:b])
+                        s.done += b - a
+                    for s in [s for s in mine if s.done == len(sequences[s.index])]:
+                        pool.release(s.pages)
+                        mine.remove(s)
+        finally:
+            for pool, mine in zip((s.pool for s in self.schedulers), held, strict=True):
+                for s in mine:
+                    pool.release(s.pages)
+        return [np.concatenate(r) for r in rows]
+
+    def _score_chunks(self, sequences: list[list[int]], held: list[_Scoring]) -> list[ScheduledSequence]:
+        """One step's share of a replica's sequences being scored: their next tokens, in order, up to the budget."""
+        budget, chunks = self.max_tokens, []
+        for s in held:
+            n = min(budget, len(sequences[s.index]) - s.done)
+            if n == 0:
+                break
+            chunk = [int(t) for t in sequences[s.index][s.done: s.done + n]]
+            chunks.append(ScheduledSequence("score", chunk, s.done, s.pages, GREEDY, 0, samples=False, prefill=True))
+            budget -= n
+        return chunks
+
+
+@dataclasses.dataclass
+class _Scoring:
+    """A sequence being scored (Engine.score): its index among those asked for, its pages, tokens done."""
+
+    index: int
+    pages: np.ndarray
+    done: int = 0

@@ -80,13 +80,21 @@ def one_stack_per_layer(weights: Weights) -> Weights:
     that grows with depth, so compile time does too."""
     out = []
     for stack in weights.layers:
-        ids = jax.tree.leaves(stack.weights, is_leaf=is_spec)[0].layer_ids or tuple(range(stack.size))
-        for i, layer in enumerate(ids):
-            def one(p: ParamSpec, layer=layer) -> ParamSpec:
-                return dataclasses.replace(p, shape=(1, *p.shape[1:]), layer_ids=(layer,))
-            specs = jax.tree.map(lambda s, one=one: s.map_parts(one), stack.weights, is_leaf=is_spec)
-            out.append(LayerStack(specs, first=stack.first + i))
+        ids = layer_ids(stack) or tuple(range(stack.size))
+        out += [LayerStack(restack(stack.weights, (layer,)), first=stack.first + i) for i, layer in enumerate(ids)]
     return dataclasses.replace(weights, layers=tuple(out))
+
+
+def layer_ids(stack: LayerStack) -> tuple[int | None, ...] | None:
+    """The checkpoint layers a stack of specs holds, in order (None: all of the model's, 0..size-1)."""
+    return jax.tree.leaves(stack.weights, is_leaf=is_spec)[0].layer_ids
+
+
+def restack(specs: Any, ids: tuple[int | None, ...]) -> Any:
+    """A stack's weight specs made to hold the checkpoint layers `ids` in order (None: a padding slot)."""
+    def one(p: ParamSpec) -> ParamSpec:
+        return dataclasses.replace(p, shape=(len(ids), *p.shape[1:]), layer_ids=ids)
+    return jax.tree.map(lambda s: s.map_parts(one), specs, is_leaf=is_spec)
 
 
 @struct.dataclass

@@ -31,9 +31,8 @@ from flax import struct
 from jax.sharding import PartitionSpec
 
 from jaxinfer.batch import StepBatch, StepMetadata, bucket_shape, pack, ring_order
-from jaxinfer.checkpoint import ParamSpec, is_spec
 from jaxinfer.kv_cache import POOL_AXES, PagedKVCache
-from jaxinfer.layers import ACTIVATIONS, LayerStack, StepContext, Weights, run_layers
+from jaxinfer.layers import ACTIVATIONS, LayerStack, StepContext, Weights, layer_ids, restack, run_layers
 from jaxinfer.models import Model
 from jaxinfer.runner import ModelRunner
 from jaxinfer.sampling import SamplingArrays
@@ -58,15 +57,10 @@ def split_stages(weights: Weights, num_layers: int, stages: int) -> Weights:
         return weights
     bounds, first, out = stage_bounds(num_layers, stages), 0, []
     for stack in weights.layers:
-        ids = jax.tree.leaves(stack.weights, is_leaf=is_spec)[0].layer_ids
-        held = [[i for i in ids if i in b] for b in bounds]
+        held = [[i for i in layer_ids(stack) if i in b] for b in bounds]
         width = max(map(len, held))
         slots = tuple(tuple(h + [None] * (width - len(h))) for h in held)
-        flat = tuple(i for s in slots for i in s)
-        def restack(p: ParamSpec, flat=flat) -> ParamSpec:
-            return dataclasses.replace(p, shape=(len(flat), *p.shape[1:]), layer_ids=flat)
-        specs = jax.tree.map(lambda s, restack=restack: s.map_parts(restack), stack.weights, is_leaf=is_spec)
-        out.append(LayerStack(specs, first=first, stages=slots))
+        out.append(LayerStack(restack(stack.weights, tuple(i for s in slots for i in s)), first=first, stages=slots))
         first += width
     return dataclasses.replace(weights, layers=tuple(out))
 

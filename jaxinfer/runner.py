@@ -142,8 +142,11 @@ class ModelRunner:
         R, S, V = logits.shape
         chex.assert_shape(last, (R, S, x.shape[-1]))
         chex.assert_type(logits, jnp.float32)
-        logits = ctx.constrain(logits, ("batch", None, "vocab"))  # pinned: gather logits, not weights
-        logits = ctx.constrain(logits, ("batch", None, None)).reshape(R * S, V)
+        logits = ctx.constrain(logits, ("batch", None, "vocab"))  # pinned: move logits, not weights
+        # Each tp rank then samples S / tp whole rows (one all-to-all), so no rank repeats another's vocabulary
+        # sort; fewer rows than ranks are sampled whole on every rank.
+        rows = "drawn" if S % ctx.layout.axis_size("drawn") == 0 else None
+        logits = ctx.constrain(logits, ("batch", rows, None)).reshape(R * S, V)
         tokens, logprobs = sample(logits, sampling, sample_positions)
         return tokens.reshape(R, S), logprobs.reshape(R, S, -1)
 

@@ -1,5 +1,7 @@
 """Generation mechanics: ragged batches, bucketing without recompilation, and the collective pattern."""
 
+import re
+
 import pytest
 
 from jaxinfer import LLM, SamplingParams
@@ -66,14 +68,29 @@ def test_decode_step_has_two_all_reduces_per_layer(mesh, batch, prompts, llama_o
     decode, prefill = llm.collective_report()["decode"], llm.collective_report()["prefill"]
     # per layer: one all-reduce after attention, one after the MLP; outside: the vocabulary-parallel embedding
     assert collective_counts(decode, "all-reduce") == (2 * L + 1, (2 * L + 1) * rows * E * f32)
-    # the vocabulary-parallel logits are gathered once, for the sampler
-    assert collective_counts(decode, "all-gather") == (1, rows * V * f32)
-    for kind in ("all-to-all", "collective-permute", "reduce-scatter"):
+    tp = llm.mesh_config.tp
+    if rows % tp:  # fewer rows than tp ranks: the vocabulary-parallel logits are gathered once, for the sampler
+        assert collective_counts(decode, "all-gather") == (1, rows * V * f32)
+        assert collective_counts(decode, "all-to-all") == (0, 0)
+    else:  # each tp rank gets its share of the rows whole (one all-to-all), then the sampled ids are gathered
+        assert collective_counts(decode, "all-to-all") == (1, rows // tp * V * f32)
+        assert collective_counts(decode, "all-gather") == (1, rows * 4)
+    for kind in ("collective-permute", "reduce-scatter"):
         assert collective_counts(decode, kind) == (0, 0)
     # prefill: each replica's prompts packed flat (requests alternate between replicas), padded to a bucket
     lengths = [len(p) for p in prompts[:batch]]
     N = bucket(max(sum(lengths[i::dp]) for i in range(dp)))
     assert collective_counts(prefill, "all-reduce") == (2 * L + 1, (2 * L + 1) * N * E * f32)
+
+
+def test_each_tp_rank_sorts_only_its_own_rows(llama_tp4, prompts):
+    """The filters' vocabulary sort is split by rows over tp: four sequences at tp=4, one row per rank."""
+    sampled = SamplingParams(max_tokens=4, temperature=0.9, top_p=0.8, seed=3, ignore_eos=True)
+    llama_tp4.generate(prompts[:4], sampled)
+    V = llama_tp4.config.vocab_size
+    for step, executable in llama_tp4.engine.runner.last.items():
+        sorts = re.findall(r"= \(?(\w+\[[\d,]*\])[^=]* sort\(", executable.as_text())
+        assert sorts and set(sorts) == {f"f32[1,{V}]"}, step
 
 
 def test_chat_applies_template(llama_tp4):

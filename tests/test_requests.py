@@ -64,6 +64,20 @@ def test_a_sequence_of_exactly_the_context_length_is_scored(llm):
     np.testing.assert_allclose(logits[:40], llm.logits([ids[:40]])[0], atol=1e-5, rtol=0)
 
 
+def test_sequences_share_scoring_steps_and_score_as_each_alone(llm, llama_golden, monkeypatch):
+    """A long sequence and the short prompts are packed into steps of the token budget, chunks and all."""
+    long = [(5 * i) % 380 + 4 for i in range(300)]
+    sequences = [long, *llama_golden.prompts]
+    alone = [llm.logits([ids])[0] for ids in sequences]
+    steps, score = [], llm.engine.runner.score
+    monkeypatch.setattr(llm.engine.runner, "score", lambda batch: steps.append(batch) or score(batch))
+    together = llm.logits(sequences)
+    assert len(steps) == -(-sum(map(len, sequences)) // llm.engine.max_tokens)     # every step but the last full
+    for a, b in zip(alone, together, strict=True):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+
+
 def test_empty_prompt_is_refused(llm):
     before = llm.engine.compilations
     with pytest.raises(RequestError, match="empty prompt"):
