@@ -10,11 +10,17 @@ to `max_len` tokens (default: the context):
 Greedy and sampled requests share these (sampling is data, not shape). Not covered, compiled on first use:
 a lone prompt shorter than the budget, requests asking for log-probabilities, scoring (LLM.logits), and
 pipeline parallel (pp > 1), whose steps carry the microbatches in flight.
+
+Buckets are compiled by a few threads at once: tracing holds Python's lock, but XLA compiles (and loads
+cached executables) outside it, so a warm restart's loads overlap the next bucket's tracing (12 buckets of
+the 125M model from a warm cache on 2 cores: 11.5 s in one thread, 7.0 s in two).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from tqdm import tqdm
 
@@ -23,6 +29,7 @@ from jaxinfer.engine import Engine
 from jaxinfer.scheduler import SchedulerOutput
 
 log = logging.getLogger("jaxinfer")
+THREADS = 4   # at most: each holds a bucket's program while it compiles
 
 Shape = tuple[int, int, int, bool]   # tokens, sequences, pages per sequence (per replica); ring prefill (sp)
 
@@ -48,10 +55,18 @@ def warmup(engine: Engine, max_len: int | None = None, progress: bool = True) ->
         log.info("warm-up skipped: pipeline steps (pp > 1) are compiled on first use")
         return 0
     before, idle = engine.compilations, [SchedulerOutput([])] * len(engine.schedulers)
-    for n, s, p, ring in tqdm(warmup_shapes(engine, max_len), desc="compiling buckets", unit="bucket",
-                                 disable=not progress):
+
+    def compile_one(shape: Shape) -> None:
+        n, s, p, ring = shape
         batch = pack(idle, engine.config.page_size, engine.pages_per_replica, (n, s, p), engine.sp)
         if ring:  # prefill under sp: fresh K/V travel the ring
             batch = batch.replace(meta=batch.meta.replace(ring=True))
         engine.runner.compile("step", batch)
+
+    shapes = warmup_shapes(engine, max_len)
+    with (ThreadPoolExecutor(min(THREADS, os.cpu_count() or 1)) as pool,
+          tqdm(total=len(shapes), desc="compiling buckets", unit="bucket", disable=not progress) as bar):
+        for done in as_completed([pool.submit(compile_one, shape) for shape in shapes]):
+            done.result()
+            bar.update()
     return engine.compilations - before
