@@ -50,6 +50,9 @@ class StepBatch:
                                  # from (its tokens were not on the host when this step was packed), -1 else
 
 
+MIN_TABLE_WIDTH = 4   # page-table entries per sequence in the narrowest bucket (64 tokens of 16-token pages)
+
+
 def bucket(n: int, minimum: int = 1, multiple: int = 1) -> int:
     """n rounded up to a power of two (at least `minimum`), then to a multiple of `multiple`."""
     size = max(minimum, 1 << (max(n, 1) - 1).bit_length())
@@ -61,7 +64,14 @@ def bucket_shape(outputs: list[SchedulerOutput], sp: int = 1) -> tuple[int, int,
     tokens to a multiple of the ring's 2 x sp chunks and the pages to a multiple of sp."""
     return (bucket(max(o.num_tokens for o in outputs), multiple=2 * sp if sp > 1 else 1),
             bucket(max(len(o.sequences) for o in outputs)),
-            bucket(max((len(s.pages) for o in outputs for s in o.sequences), default=1), multiple=sp))
+            table_width(max((len(s.pages) for o in outputs for s in o.sequences), default=1), sp))
+
+
+def table_width(pages: int, sp: int = 1) -> int:
+    """The page-table width of a step whose longest sequence holds `pages` pages: a power of two, at least
+    MIN_TABLE_WIDTH. Every width is another program per step shape; narrower tables would save little (a
+    short sequence's attention reads a block of a few table entries either way)."""
+    return bucket(pages, minimum=MIN_TABLE_WIDTH, multiple=sp)
 
 
 def ring_order(n: int, sp: int) -> np.ndarray:

@@ -194,7 +194,7 @@ class Engine:
         """Schedule and dispatch one device step, and hand out the tokens of the step whose results are due
         (this one; overlapped, the one before); returns the requests that finished."""
         t_start = time.perf_counter()
-        previous, compiled = self.dispatched, self.runner.compile_seconds
+        previous, compiled, host = self.dispatched, self.runner.compile_seconds, self.stats.host_seconds
         if previous is not None:
             previous.ready(t_start)
         outputs = [s.schedule() for s in self.schedulers]
@@ -240,6 +240,7 @@ class Engine:
                 s.prefill_seconds += seconds
             else:
                 s.decode_seconds += seconds
+                s.decode_host_seconds += s.host_seconds - host
         if due is not None:
             s.steps += 1
             if due.prefill:

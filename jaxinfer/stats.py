@@ -30,6 +30,7 @@ class EngineStats:
     update_seconds: float = 0.0     # host: tokens handed out (stop checks, detokenizing, stream callbacks)
     wall_seconds: float = 0.0       # the steps' wall time (compilation excluded)
     idle_seconds: float = 0.0       # of it, the device had no step to run (overlapped: an upper bound)
+    decode_host_seconds: float = 0.0   # the host work of decode-only steps (counted as decode_seconds are)
 
     @property
     def utilisation(self) -> float:

@@ -3,7 +3,7 @@
 The engine compiles one executable per bucket (jaxinfer.batch): tokens N and sequences S per replica and
 page-table width P, each a power of two, and log-probabilities on or off. Every combination is hundreds of
 executables (seconds each on CPU), so the warm-up compiles the ones serving hits, at every page-table width up
-to `max_len` tokens (default: the context):
+to `max_len` tokens (default: the context; the narrowest is batch.MIN_TABLE_WIDTH):
 - decode steps: S running sequences of one token each (N = S), S = 1, 2, 4 .. max_num_seqs;
 - full prefill steps: the token budget (N = max_tokens_per_step) shared by S = 1 .. max_num_seqs sequences,
   the prompt chunks of a busy server.
@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from tqdm import tqdm
 
-from jaxinfer.batch import bucket, pack
+from jaxinfer.batch import bucket, pack, table_width
 from jaxinfer.engine import Engine
 from jaxinfer.scheduler import SchedulerOutput
 
@@ -43,7 +43,7 @@ def warmup_shapes(engine: Engine, max_len: int | None = None) -> list[Shape]:
     sp, page_size = engine.sp, engine.config.page_size
     max_len = min(max_len or engine.cfg.context_length, engine.cfg.context_length, engine.capacity)
     tokens = lambda n: bucket(n, multiple=2 * sp if sp > 1 else 1)  # noqa: E731
-    widths = sorted({bucket(p, multiple=sp) for p in powers_of_two(bucket(-(-max_len // page_size)))})
+    widths = sorted({table_width(p, sp) for p in powers_of_two(bucket(-(-max_len // page_size)))})
     seqs = powers_of_two(bucket(min(engine.config.max_num_seqs, engine.max_tokens)))
     steps = [(tokens(s), s, False) for s in seqs] + [(tokens(engine.max_tokens), s, sp > 1) for s in seqs]
     return [(n, s, p, ring) for p in widths for n, s, ring in dict.fromkeys(steps)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -32,10 +33,11 @@ class WithoutAttention(StepContext):
         return q, cache
 
 
-def decode_floor(engine: Engine, batch: int, steps: int = 32) -> float | None:
-    """Decode tokens/s of `batch` sequences (spread over the replicas as the schedulers spread them) through
-    the plain forward, best of three timings of `steps` calls; None under a pipeline (pp > 1), whose
-    weights are laid out per stage."""
+def decode_floor(engine: Engine, batch: int, steps: int = 32) -> Callable[[], float] | None:
+    """A timer of the floor for `batch` sequences (spread over the replicas as the schedulers spread them):
+    each call times `steps` calls of the plain forward and returns decode tokens/s. Compiled here, so a
+    caller can interleave its timings with the engine's. None under a pipeline (pp > 1), whose weights are
+    laid out per stage."""
     if engine.stages > 1:
         return None
     runner, replicas = engine.runner, len(engine.schedulers)
@@ -54,12 +56,13 @@ def decode_floor(engine: Engine, batch: int, steps: int = 32) -> float | None:
         x, _, _ = run_layers(runner.model.layer, weights.layers, x, cache, ctx)   # the scan would be copied
         return jnp.argmax(runner.model.head(weights.head, x, ctx), axis=-1).astype(jnp.int32)
 
-    tokens = forward(runner.weights, runner.cache, tokens, meta).block_until_ready()   # compile
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
+    out = forward(runner.weights, runner.cache, tokens, meta)
+    forward(runner.weights, runner.cache, out, meta).block_until_ready()   # compiled for the fed-back tokens too
+
+    def time_it() -> float:
+        t0, out = time.perf_counter(), tokens
         for _ in range(steps):
-            tokens = forward(runner.weights, runner.cache, tokens, meta)
-        tokens.block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return batch * steps / best
+            out = forward(runner.weights, runner.cache, out, meta)
+        out.block_until_ready()
+        return batch * steps / (time.perf_counter() - t0)
+    return time_it
