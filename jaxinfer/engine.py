@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from jaxinfer.attention import choose_backend
-from jaxinfer.batch import GREEDY, bucket, pack, ring_order
+from jaxinfer.batch import GREEDY, bucket, bucket_shape, pack, ring_order
 from jaxinfer.config import EngineConfig
 from jaxinfer.distributed import shared_seed
 from jaxinfer.kv_cache import PagedKVCache, page_bytes, pool_pages
@@ -105,8 +105,9 @@ class Engine:
         cache = PagedKVCache.zeros(self.stages * weights.stage_layers, self.kv_heads,
                                    replicas * self.pages_per_replica, config.page_size, cfg.head_dim, dtype, layout)
         self.max_tokens = bucket(config.max_tokens_per_step, 16)
+        self.max_seqs = bucket(min(config.max_num_seqs, self.max_tokens))   # sequence slots of the widest step
         self.runner = (PipelineRunner if self.stages > 1 else ModelRunner)(
-            model, layout, weights, cache, backend, max_seqs=bucket(min(config.max_num_seqs, self.max_tokens)))
+            model, layout, weights, cache, backend, max_seqs=self.max_seqs)
         self.overlap = config.overlap and self.stages == 1      # a pipeline already keeps steps in flight
         self.schedulers = [Scheduler(PagePool(self.pages_per_replica, config.page_size, config.prefix_caching, self.sp),
                                      config.max_num_seqs, self.max_tokens, self.stages, self.overlap)
@@ -206,7 +207,8 @@ class Engine:
         if any(busy):
             prefill = any(o.prefill for mb in stages if mb for o in mb)
             if self.stages == 1:
-                batch = pack(outputs, self.config.page_size, self.pages_per_replica, sp=self.sp)
+                batch = pack(outputs, self.config.page_size, self.pages_per_replica, self.step_shape(outputs),
+                             self.sp)
             else:
                 batch = pack_stages(stages, self.config.page_size, self.pages_per_replica, self.sp)
             s.pack_seconds += time.perf_counter() - t_scheduled
@@ -251,6 +253,13 @@ class Engine:
         s.compile_seconds = self.runner.compile_seconds
         s.preemptions = sum(sch.preemptions for sch in self.schedulers)
         return finished
+
+    def step_shape(self, outputs: list[SchedulerOutput]) -> tuple[int, int, int]:
+        """The step's bucket (batch.bucket_shape), except that a step filling more than half the token budget
+        gets every sequence slot: it is compute-bound (the head on the spare rows costs about 1% of it), and
+        one program per page-table width then serves every mix of prompt chunks (jaxinfer.warmup)."""
+        tokens, seqs, width = bucket_shape(outputs, self.sp)
+        return tokens, self.max_seqs if tokens == self.max_tokens else seqs, width
 
     def _hand_out(self, step: Dispatched) -> list[Request]:
         """Wait for a dispatched step's tokens and give them to their requests (stop checks, detokenizing,

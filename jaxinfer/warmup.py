@@ -5,11 +5,11 @@ page-table width P, each a power of two, and log-probabilities on or off. Every 
 executables (seconds each on CPU), so the warm-up compiles the ones serving hits, at every page-table width up
 to `max_len` tokens (default: the context; the narrowest is batch.MIN_TABLE_WIDTH):
 - decode steps: S running sequences of one token each (N = S), S = 1, 2, 4 .. max_num_seqs;
-- full prefill steps: the token budget (N = max_tokens_per_step) shared by S = 1 .. max_num_seqs sequences,
-  the prompt chunks of a busy server.
+- full prefill steps: more than half the token budget (N = max_tokens_per_step), the prompt chunks of a busy
+  server, which always get all max_num_seqs sequence slots (Engine.step_shape).
 Greedy and sampled requests share these (sampling is data, not shape). Not covered, compiled on first use:
-a lone prompt shorter than the budget, requests asking for log-probabilities, scoring (LLM.logits), and
-pipeline parallel (pp > 1), whose steps carry the microbatches in flight.
+steps of prompt tokens within half the budget (a lone short prompt), requests asking for log-probabilities,
+scoring (LLM.logits), and pipeline parallel (pp > 1), whose steps carry the microbatches in flight.
 
 Buckets are compiled by a few threads at once: tracing holds Python's lock, but XLA compiles (and loads
 cached executables) outside it, so a warm restart's loads overlap the next bucket's tracing (12 buckets of
@@ -44,8 +44,8 @@ def warmup_shapes(engine: Engine, max_len: int | None = None) -> list[Shape]:
     max_len = min(max_len or engine.cfg.context_length, engine.cfg.context_length, engine.capacity)
     tokens = lambda n: bucket(n, multiple=2 * sp if sp > 1 else 1)  # noqa: E731
     widths = sorted({table_width(p, sp) for p in powers_of_two(bucket(-(-max_len // page_size)))})
-    seqs = powers_of_two(bucket(min(engine.config.max_num_seqs, engine.max_tokens)))
-    steps = [(tokens(s), s, False) for s in seqs] + [(tokens(engine.max_tokens), s, sp > 1) for s in seqs]
+    seqs = powers_of_two(engine.max_seqs)
+    steps = [(tokens(s), s, False) for s in seqs] + [(tokens(engine.max_tokens), engine.max_seqs, sp > 1)]
     return [(n, s, p, ring) for p in widths for n, s, ring in dict.fromkeys(steps)]
 
 

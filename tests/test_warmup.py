@@ -25,12 +25,14 @@ def llm(hf_tiny):
 def test_warmup_compiles_the_serving_buckets_and_generate_compiles_nothing_new(llm):
     shapes = warmup_shapes(llm.engine, max_len=16)
     # one page-table width (the narrowest, 4 entries); decodes of 1 and 2 sequences, and the 16-token
-    # budget shared by 1 or 2
-    assert shapes == [(1, 1, 4, False), (2, 2, 4, False), (16, 1, 4, False), (16, 2, 4, False)]
+    # budget with both sequence slots
+    assert shapes == [(1, 1, 4, False), (2, 2, 4, False), (16, 2, 4, False)]
     assert llm.warmup(max_len=16, progress=False) == len(shapes) == llm.engine.compilations
     prompts = [list(range(10, 17)), list(range(20, 28))]   # one 15-token prefill step, then decodes of 2
     out = llm.generate(prompts, [GREEDY, SamplingParams(max_tokens=3, temperature=0.8, seed=1, ignore_eos=True)])
     assert [len(c.token_ids) for c in out] == [3, 3]
+    lone = llm.generate([list(range(30, 42))], GREEDY)[0]    # 12 tokens, past half the budget: both slots
+    assert len(lone.token_ids) == 3
     assert llm.engine.compilations == len(shapes)
     assert llm.warmup(max_len=16, progress=False) == 0
 
