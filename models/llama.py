@@ -230,7 +230,10 @@ class Llama(Model):
         if w.q_norm is not None:
             q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
         o, cache = ctx.attention(q, k, v, cache, layer, rope_frequencies(self.cfg))
-        out = ctx.constrain(jnp.einsum("bthd,hde->bte", o, w.o), ACTIVATIONS)   # row-parallel: all-reduce over tp
+        # row-parallel: all-reduce over tp. Contracting (h, d) in the weight's own order: as an einsum, XLA
+        # transposed the whole [H, D, E] weight to (d, h) order on every step.
+        out = jax.lax.dot_general(o, w.o, (((2, 3), (0, 1)), ((), ())))
+        out = ctx.constrain(out, ACTIVATIONS)
         return (out if w.o_bias is None else out + w.o_bias), cache
 
     def ffn(self, w: MLP | Experts, h: jax.Array, ctx: StepContext) -> tuple[jax.Array, jax.Array | None]:
