@@ -327,10 +327,11 @@ class Engine:
             self.check_prompt(ids, generate=False)
         rows: list[list[np.ndarray]] = [[] for _ in sequences]
         waiting = collections.deque(range(len(sequences)))
-        held: list[list[_Scoring]] = [[] for _ in self.schedulers]
+        pools = [scheduler.pool for scheduler in self.schedulers]
+        held: list[list[_Scoring]] = [[] for _ in pools]
         try:
             while waiting or any(held):
-                for pool, mine in zip((s.pool for s in self.schedulers), held, strict=True):
+                for pool, mine in zip(pools, held, strict=True):
                     while waiting and len(mine) < self.config.max_num_seqs:
                         pages = pool.allocate(-(-len(sequences[waiting[0]]) // pool.page_size))
                         if pages is None:
@@ -341,19 +342,18 @@ class Engine:
                 outputs = [SchedulerOutput(self._score_chunks(sequences, mine)) for mine in held]
                 logits = self.runner.score(pack(outputs, self.config.page_size, self.pages_per_replica, sp=self.sp))
                 logits = logits[:, np.argsort(ring_order(logits.shape[1], self.sp))]   # rows back in token order
-                for pool, out, row, mine in zip((s.pool for s in self.schedulers), outputs, logits, held,
-                                                strict=True):
+                for pool, out, row, mine in zip(pools, outputs, logits, held, strict=True):
                     offsets = np.cumsum([0] + [len(seq.token_ids) for seq in out.sequences])
-                    for s, a, b in zip(mine, offsets[:-1], offsets[1:], strict=False):
-                        rows[s.index].append(row[a:b])
-                        s.done += b - a
-                    for s in [s for s in mine if s.done == len(sequences[s.index])]:
-                        pool.release(s.pages)
-                        mine.remove(s)
+                    for scoring, a, b in zip(mine, offsets[:-1], offsets[1:], strict=False):
+                        rows[scoring.index].append(row[a:b])
+                        scoring.done += b - a
+                    for scoring in [x for x in mine if x.done == len(sequences[x.index])]:
+                        pool.release(scoring.pages)
+                        mine.remove(scoring)
         finally:
-            for pool, mine in zip((s.pool for s in self.schedulers), held, strict=True):
-                for s in mine:
-                    pool.release(s.pages)
+            for pool, mine in zip(pools, held, strict=True):
+                for scoring in mine:
+                    pool.release(scoring.pages)
         return [np.concatenate(r) for r in rows]
 
     def _score_chunks(self, sequences: list[list[int]], held: list[_Scoring]) -> list[ScheduledSequence]:
@@ -363,7 +363,7 @@ class Engine:
             n = min(budget, len(sequences[s.index]) - s.done)
             if n == 0:
                 break
-            chunk = [int(t) for t in sequences[s.index][s.done: s.done + n]]
+            chunk = list(sequences[s.index][s.done: s.done + n])
             chunks.append(ScheduledSequence("score", chunk, s.done, s.pages, GREEDY, 0, samples=False, prefill=True))
             budget -= n
         return chunks
