@@ -50,28 +50,25 @@ class StepBatch:
                                  # from (its tokens were not on the host when this step was packed), -1 else
 
 
-MIN_TABLE_WIDTH = 4   # page-table entries per sequence in the narrowest bucket (64 tokens of 16-token pages)
-
-
 def bucket(n: int, minimum: int = 1, multiple: int = 1) -> int:
     """n rounded up to a power of two (at least `minimum`), then to a multiple of `multiple`."""
     size = max(minimum, 1 << (max(n, 1) - 1).bit_length())
     return -(-size // multiple) * multiple
 
 
-def bucket_shape(outputs: list[SchedulerOutput], sp: int = 1) -> tuple[int, int, int]:
-    """(tokens, sequences, pages per sequence) per replica, each rounded up to its bucket; under sp the
-    tokens to a multiple of the ring's 2 x sp chunks and the pages to a multiple of sp."""
+def bucket_shape(outputs: list[SchedulerOutput], sp: int = 1) -> tuple[int, int]:
+    """(tokens, sequences) per replica, each rounded up to its bucket; under sp the tokens to a multiple of
+    the ring's 2 x sp chunks."""
     return (bucket(max(o.num_tokens for o in outputs), multiple=2 * sp if sp > 1 else 1),
-            bucket(max(len(o.sequences) for o in outputs)),
-            table_width(max((len(s.pages) for o in outputs for s in o.sequences), default=1), sp))
+            bucket(max(len(o.sequences) for o in outputs)))
 
 
-def table_width(pages: int, sp: int = 1) -> int:
-    """The page-table width of a step whose longest sequence holds `pages` pages: a power of two, at least
-    MIN_TABLE_WIDTH. Every width is another program per step shape; narrower tables would save little (a
-    short sequence's attention reads a block of a few table entries either way)."""
-    return bucket(pages, minimum=MIN_TABLE_WIDTH, multiple=sp)
+def table_width(max_len: int, page_size: int, sp: int = 1) -> int:
+    """Page-table entries per sequence: the pages of the longest sequence an engine admits, a multiple of sp.
+    One width per engine, so no sequence length ever needs another program (vLLM's block table is as wide
+    as max_model_len too); attention reads only the entries each sequence needs."""
+    pages = -(-max_len // page_size)
+    return -(-pages // sp) * sp
 
 
 def ring_order(n: int, sp: int) -> np.ndarray:
@@ -82,15 +79,19 @@ def ring_order(n: int, sp: int) -> np.ndarray:
     return np.concatenate([np.concatenate([chunks[r], chunks[2 * sp - 1 - r]]) for r in range(sp)])
 
 
-def pack(outputs: list[SchedulerOutput], page_size: int, pool_pages: int,
-         shape: tuple[int, int, int] | None = None, sp: int = 1) -> StepBatch:
+def pack(outputs: list[SchedulerOutput], page_size: int, pool_pages: int, width: int,
+         shape: tuple[int, int] | None = None, sp: int = 1) -> StepBatch:
     """One row per replica (outputs[i] is replica i's work), padded to shared bucket shapes (`shape`, at
-    least bucket_shape(outputs, sp), when several batches must share one), tokens in ring order under sp."""
+    least bucket_shape(outputs, sp), when several batches must share one) and page tables `width` entries
+    wide (table_width), tokens in ring order under sp."""
     P, R = page_size, len(outputs)
-    N, S, max_pages = shape or bucket_shape(outputs, sp)
+    N, S = shape or bucket_shape(outputs, sp)
+    longest = max((len(s.pages) for o in outputs for s in o.sequences), default=0)
+    if longest > width:
+        raise ValueError(f"a sequence holds {longest} pages, more than the page table's {width} entries")
     tokens, positions = np.zeros((R, N), np.int32), np.zeros((R, N), np.int32)
     slots = np.full((R, N), pool_pages * P, np.int32)
-    page_table = np.zeros((R, S, max_pages), np.int32)
+    page_table = np.zeros((R, S, width), np.int32)
     seq_lens, logits_index = np.zeros((R, S), np.int32), np.zeros((R, S), np.int32)
     query_start, num_seqs = np.zeros((R, S + 1), np.int32), np.zeros(R, np.int32)
     token_seq, feed = np.full((R, N), -1, np.int32), np.full((R, N), -1, np.int32)

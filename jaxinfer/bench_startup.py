@@ -1,7 +1,7 @@
 """`python -m jaxinfer.bench_startup`: how long a fresh process takes to serve, cold and warm.
 
     python -m jaxinfer.bench_startup                          # the serving benchmark's model and the default
-    python -m jaxinfer.bench_startup --preset small --warmup-max-len 384 --json
+    python -m jaxinfer.bench_startup --preset small --json
 
 Each figure is one fresh Python process (same flags as `python -m jaxinfer.serve` would load), timed from its
 launch: first_token_s = the model loaded and one token generated; ready_s = then every warm-up bucket compiled
@@ -30,7 +30,7 @@ from jaxinfer import LLM, SamplingParams
 llm = LLM(sys.argv[1], dtype="float32")
 llm.generate([[1, 72, 101, 108]], SamplingParams(max_tokens=1, temperature=0))
 first = time.time()
-compiled = llm.warmup(int(sys.argv[2]) or None, progress=False)
+compiled = llm.warmup(progress=False)
 print(json.dumps({"first": first, "ready": time.time(), "compiled": compiled,
                   "compilations": llm.engine.compilations, "compile_s": llm.engine.runner.compile_seconds}))
 llm.close()
@@ -41,8 +41,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jaxinfer.bench_startup", description=__doc__.split("\n")[0])
     p.add_argument("--preset", action="append", choices=list(PRESETS),
                    help="model(s) to time (default: bench and small)")
-    p.add_argument("--warmup-max-len", type=int, default=0,
-                   help="warm up page tables up to this many tokens (default: the model's context)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     return p.parse_args(argv)
 
@@ -54,12 +52,12 @@ def checkpoint(preset: str) -> str:
     return str(random_model.ensure(name, getattr(random_model, config)))
 
 
-def start(path: str, max_len: int, xla_cache: str) -> dict:
+def start(path: str, xla_cache: str) -> dict:
     """One fresh process: seconds from its launch to its first token and to all buckets ready."""
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": xla_cache}
     env.pop("JAX_ENABLE_COMPILATION_CACHE", None)
     t0 = time.time()
-    out = subprocess.run([sys.executable, "-c", CHILD, path, str(max_len)], env=env, check=True,
+    out = subprocess.run([sys.executable, "-c", CHILD, path], env=env, check=True,
                          capture_output=True, text=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
     return {"first_token_s": r["first"] - t0, "ready_s": r["ready"] - t0, "buckets": r["compilations"],
@@ -71,8 +69,7 @@ def run(args: argparse.Namespace) -> dict:
     for preset in args.preset or list(PRESETS):
         path = checkpoint(preset)
         with tempfile.TemporaryDirectory(prefix="jaxinfer-xla-") as xla_cache:
-            results[preset] = {"cold": start(path, args.warmup_max_len, xla_cache),
-                               "warm": start(path, args.warmup_max_len, xla_cache)}
+            results[preset] = {"cold": start(path, xla_cache), "warm": start(path, xla_cache)}
     return results
 
 

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from jaxinfer.attention import choose_backend
-from jaxinfer.batch import GREEDY, bucket, bucket_shape, pack, ring_order
+from jaxinfer.batch import GREEDY, bucket, bucket_shape, pack, ring_order, table_width
 from jaxinfer.config import EngineConfig
 from jaxinfer.distributed import shared_seed
 from jaxinfer.kv_cache import PagedKVCache, page_bytes, pool_pages
@@ -106,6 +106,7 @@ class Engine:
                                    replicas * self.pages_per_replica, config.page_size, cfg.head_dim, dtype, layout)
         self.max_tokens = bucket(config.max_tokens_per_step, 16)
         self.max_seqs = bucket(min(config.max_num_seqs, self.max_tokens))   # sequence slots of the widest step
+        self.table_width = table_width(min(cfg.context_length, self.capacity), config.page_size, self.sp)
         self.runner = (PipelineRunner if self.stages > 1 else ModelRunner)(
             model, layout, weights, cache, backend, max_seqs=self.max_seqs)
         self.overlap = config.overlap and self.stages == 1      # a pipeline already keeps steps in flight
@@ -207,10 +208,10 @@ class Engine:
         if any(busy):
             prefill = any(o.prefill for mb in stages if mb for o in mb)
             if self.stages == 1:
-                batch = pack(outputs, self.config.page_size, self.pages_per_replica, self.step_shape(outputs),
-                             self.sp)
+                batch = pack(outputs, self.config.page_size, self.pages_per_replica, self.table_width,
+                             self.step_shape(outputs), self.sp)
             else:
-                batch = pack_stages(stages, self.config.page_size, self.pages_per_replica, self.sp)
+                batch = pack_stages(stages, self.config.page_size, self.pages_per_replica, self.table_width, self.sp)
             s.pack_seconds += time.perf_counter() - t_scheduled
             if previous is not None and previous.ready(now := time.perf_counter()):
                 s.idle_seconds += now - previous.busy_seen   # the device ran dry: for at most this long
@@ -254,12 +255,12 @@ class Engine:
         s.preemptions = sum(sch.preemptions for sch in self.schedulers)
         return finished
 
-    def step_shape(self, outputs: list[SchedulerOutput]) -> tuple[int, int, int]:
+    def step_shape(self, outputs: list[SchedulerOutput]) -> tuple[int, int]:
         """The step's bucket (batch.bucket_shape), except that a step filling more than half the token budget
         gets every sequence slot: it is compute-bound (the head on the spare rows costs about 1% of it), and
-        one program per page-table width then serves every mix of prompt chunks (jaxinfer.warmup)."""
-        tokens, seqs, width = bucket_shape(outputs, self.sp)
-        return tokens, self.max_seqs if tokens == self.max_tokens else seqs, width
+        one program then serves every mix of prompt chunks (jaxinfer.warmup)."""
+        tokens, seqs = bucket_shape(outputs, self.sp)
+        return tokens, self.max_seqs if tokens == self.max_tokens else seqs
 
     def _hand_out(self, step: Dispatched) -> list[Request]:
         """Wait for a dispatched step's tokens and give them to their requests (stop checks, detokenizing,
@@ -340,7 +341,8 @@ class Engine:
                 if not any(held):
                     raise RequestError("the KV page pool is too busy to score now; retry when the engine is idle")
                 outputs = [SchedulerOutput(self._score_chunks(sequences, mine)) for mine in held]
-                logits = self.runner.score(pack(outputs, self.config.page_size, self.pages_per_replica, sp=self.sp))
+                logits = self.runner.score(pack(outputs, self.config.page_size, self.pages_per_replica,
+                                                self.table_width, sp=self.sp))
                 logits = logits[:, np.argsort(ring_order(logits.shape[1], self.sp))]   # rows back in token order
                 for pool, out, row, mine in zip(pools, outputs, logits, held, strict=True):
                     offsets = np.cumsum([0] + [len(seq.token_ids) for seq in out.sequences])

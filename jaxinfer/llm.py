@@ -169,12 +169,12 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([self.tokenizer.chat_ids(c) for c in conversations], params)
 
-    def warmup(self, max_len: int | None = None, progress: bool = True) -> int:
-        """Compile the step buckets a server hits (jaxinfer.warmup) for sequences up to max_len tokens
-        (default: the context) before any request comes; returns how many were compiled."""
+    def warmup(self, progress: bool = True) -> int:
+        """Compile the step buckets a server hits (jaxinfer.warmup) before any request comes; returns how many
+        were compiled."""
         from jaxinfer.warmup import warmup
 
-        return warmup(self.engine, max_len, progress)
+        return warmup(self.engine, progress)
 
     def collective_report(self) -> dict:
         """Collectives executed by the latest compiled prefill and decode steps (per step, per device)."""

@@ -96,14 +96,15 @@ def has_work(mb: Microbatch) -> bool:
     return mb is not None and any(mb)
 
 
-def pack_stages(stages: list[Microbatch], page_size: int, pool_pages: int, sp: int = 1) -> PipelineBatch:
+def pack_stages(stages: list[Microbatch], page_size: int, pool_pages: int, width: int,
+                sp: int = 1) -> PipelineBatch:
     """The in-flight microbatches (stages[s] at stage s; stages[0], just scheduled, is never None) packed
     to one shared bucket shape (and, under sp, one kind of attention: the ring if any stage prefills)."""
     empty = [SchedulerOutput([])] * len(stages[0])
     outputs = [mb or empty for mb in stages]
     shape = tuple(map(max, *(bucket_shape(o, sp) for o in outputs)))
     ring = sp > 1 and any(o.prefill for mb in outputs for o in mb)
-    batches = [b.replace(meta=b.meta.replace(ring=ring)) for b in (pack(o, page_size, pool_pages, shape, sp)
+    batches = [b.replace(meta=b.meta.replace(ring=ring)) for b in (pack(o, page_size, pool_pages, width, shape, sp)
                                                                    for o in outputs)]
     meta = jax.tree.map(lambda *m: np.stack(m), *(b.meta for b in batches))
     last = batches[-1]

@@ -34,8 +34,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds requests in flight may finish after SIGTERM before they are aborted")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="listen at once; each step bucket is compiled when a request first needs it")
-    p.add_argument("--warmup-max-len", type=int, default=None,
-                   help="warm up page tables for sequences up to this many tokens (default: the context)")
     return p.parse_args(argv)
 
 
@@ -194,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.warmup:  # every process compiles its own executables
-        print(f"compiled {llm.warmup(args.warmup_max_len)} step buckets", file=sys.stderr)
+        print(f"compiled {llm.warmup()} step buckets", file=sys.stderr)
     if not llm.loop.leader:  # multi-host: process 0 takes the requests, this process follows its loop
         llm.loop.follow()
         return 0

@@ -44,7 +44,7 @@ def decode_floor(engine: Engine, batch: int, steps: int = 32) -> Callable[[], fl
     per = -(-batch // replicas)
     seqs = [ScheduledSequence(str(i), [0], 0, [0], GREEDY, 0, samples=True, prefill=False) for i in range(per)]
     meta = pack([SchedulerOutput(seqs)] * replicas, engine.config.page_size, engine.pages_per_replica,
-                sp=engine.sp).meta
+                engine.table_width, sp=engine.sp).meta
     replicated = jax.sharding.NamedSharding(engine.layout.mesh, jax.sharding.PartitionSpec())
     meta, tokens = jax.device_put((meta, np.zeros((replicas, per), np.int32)), replicated)
 

@@ -36,7 +36,7 @@ _LOG2E = math.log2(math.e)
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so a fully masked page gives p = 0, not NaN
 _TILE_ROWS = 16  # rows of the smallest MMA tile: the default block fills it and no more (see _pick_block_q)
 BLOCK_Q = 32      # reference: tokens of a prefill chunk per online-softmax update
-BLOCK_PAGES = (32, 16)  # reference: table entries gathered per block, for one-token sequences and others
+BLOCK_PAGES = (8, 16)   # reference: table entries gathered per block, for decode tokens and prefill chunks
 
 
 def _token_seq(query_start: jax.Array, n: int) -> jax.Array:
@@ -89,7 +89,9 @@ def paged_attention_partial(q: jax.Array, query_start: jax.Array, num_seqs: jax.
     that see any of them, a window of W tokens at a time. Work follows each sequence's own length and
     query count, never the step's longest; memory is O(N x H x D) for the state plus one block of K/V.
     W = 1 for a one-token sequence (a decode pays for one row), block_q for longer ones; blocks hold
-    block_pages[0] table entries at W = 1 (fewer, larger gathers), block_pages[1] otherwise. XLA:CPU
+    block_pages[0] table entries at W = 1, block_pages[1] otherwise: fixed sizes, not the table's width
+    (an engine's tables are as wide as its longest sequence), so a short sequence gathers at most a block
+    of entries it does not need, and a prompt chunk's larger blocks take fewer, larger kernels. XLA:CPU
     compiles every kernel on its own, so each window size costs a copy of the attention body in compile
     time: a shape that holds only one kind of sequence gets one (`_windows`). A decode shape (no more
     tokens than slots) also holds a batched path, taken at run time when no sequence needs more than
@@ -148,13 +150,14 @@ def paged_attention_partial(q: jax.Array, query_start: jax.Array, num_seqs: jax.
     def together(state):
         """Every token at once, a block of table entries at a time, each token over its own sequence's
         entries: one set of kernels per block instead of one per sequence, paying for the neediest one."""
-        size = min(block_pages[1], width)
+        size = min(block_pages[0], width)
         key_offsets = (np.arange(size, dtype=np.int32)[:, None] * page_stride * page
                        + np.arange(page, dtype=np.int32)).reshape(-1)
-        token_tables = tables[jnp.minimum(seq[:n], slots - 1)]            # [n, width + pad]: the n real rows
+        rows_seq = jnp.minimum(seq[:n], slots - 1)                       # the n real tokens' sequences
 
         def kv_block(b, state):
-            pid = jnp.clip(lax.dynamic_slice_in_dim(token_tables, b * size, size, axis=1), 0, num_pages - 1)
+            block = lax.dynamic_slice_in_dim(tables, b * size, size, axis=1)[rows_seq]       # [n, size]
+            pid = jnp.clip(block, 0, num_pages - 1)
             k, v = (x[layer, :, pid].transpose(2, 0, 1, 3, 4).reshape(kv, n, size * page, d)  # [KV, n, C, D]
                     for x in (k_pages, v_pages))
             first_key = (b * size * page_stride + page_offset) * page

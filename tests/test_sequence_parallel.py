@@ -9,7 +9,7 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.attention import attention
-from jaxinfer.batch import pack, ring_order
+from jaxinfer.batch import pack, ring_order, table_width
 from jaxinfer.collectives import collective_report
 from jaxinfer.engine import RequestError
 from jaxinfer.kv_cache import PagedKVCache
@@ -81,7 +81,7 @@ def _attend(layout: Layout, pool: PagePool, steps: list[list[tuple]], rng_seed: 
     for step in steps:
         seqs = [ScheduledSequence(rid, [0] * n, start, pages, GREEDY, 0, samples=True, prefill=n > 1)
                 for rid, start, n, pages in step]
-        batch = pack([SchedulerOutput(seqs)], P, pool.num_pages, sp=sp)
+        batch = pack([SchedulerOutput(seqs)], P, pool.num_pages, table_width(pool.num_pages * P, P, sp), sp=sp)
         N, n_real = batch.tokens.shape[1], sum(s[2] for s in step)
         order = ring_order(N, sp)
         q, k, v = (rng.standard_normal((1, n_real, h, D)).astype(np.float32) for h in (H, KV, KV))

@@ -9,7 +9,10 @@ import sys
 import pytest
 
 from jaxinfer import LLM, SamplingParams
+from jaxinfer.batch import GREEDY as GREEDY_ARRAYS
+from jaxinfer.batch import pack
 from jaxinfer.compilation_cache import compilation_cache_dir
+from jaxinfer.scheduler import ScheduledSequence, SchedulerOutput
 from jaxinfer.warmup import warmup_shapes
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -23,18 +26,28 @@ def llm(hf_tiny):
 
 
 def test_warmup_compiles_the_serving_buckets_and_generate_compiles_nothing_new(llm):
-    shapes = warmup_shapes(llm.engine, max_len=16)
-    # one page-table width (the narrowest, 4 entries); decodes of 1 and 2 sequences, and the 16-token
-    # budget with both sequence slots
-    assert shapes == [(1, 1, 4, False), (2, 2, 4, False), (16, 2, 4, False)]
-    assert llm.warmup(max_len=16, progress=False) == len(shapes) == llm.engine.compilations
+    shapes = warmup_shapes(llm.engine)
+    # decodes of 1 and 2 sequences, and the 16-token budget with both sequence slots; one page-table width
+    # (the 512-token context's 32 entries) for every sequence length
+    assert shapes == [(1, 1, False), (2, 2, False), (16, 2, False)]
+    assert llm.engine.table_width == 32
+    assert llm.warmup(progress=False) == len(shapes) == llm.engine.compilations
     prompts = [list(range(10, 17)), list(range(20, 28))]   # one 15-token prefill step, then decodes of 2
     out = llm.generate(prompts, [GREEDY, SamplingParams(max_tokens=3, temperature=0.8, seed=1, ignore_eos=True)])
     assert [len(c.token_ids) for c in out] == [3, 3]
     lone = llm.generate([list(range(30, 42))], GREEDY)[0]    # 12 tokens, past half the budget: both slots
     assert len(lone.token_ids) == 3
+    long = llm.generate([list(range(1, 113))], GREEDY)[0]    # 7 full 16-token chunks, then 8 pages of decode
+    assert len(long.token_ids) == 3
     assert llm.engine.compilations == len(shapes)
-    assert llm.warmup(max_len=16, progress=False) == 0
+    assert llm.warmup(progress=False) == 0
+
+
+def test_a_sequence_wider_than_the_page_table_is_refused():
+    seq = ScheduledSequence("a", [1], 40, list(range(3)), GREEDY_ARRAYS, 0, samples=True, prefill=False)
+    pack([SchedulerOutput([seq])], 16, 8, width=3)
+    with pytest.raises(ValueError, match="holds 3 pages, more than the page table's 2 entries"):
+        pack([SchedulerOutput([seq])], 16, 8, width=2)
 
 
 CHILD = """
@@ -43,6 +56,8 @@ import jax
 hits = []
 jax.monitoring.register_event_listener(lambda event, **_: hits.append(event))
 from jaxinfer import LLM, SamplingParams
+from jaxinfer.batch import GREEDY as GREEDY_ARRAYS
+from jaxinfer.batch import pack
 llm = LLM(sys.argv[1], dtype="float32", max_tokens_per_step=16)
 llm.generate([[1, 5, 6, 7]], SamplingParams(max_tokens=2, temperature=0))
 print(json.dumps({"hits": hits.count("/jax/compilation_cache/cache_hits"), "compiled": llm.engine.compilations}))
