@@ -178,7 +178,9 @@ def paged_attention_partial(q: jax.Array, query_start: jax.Array, num_seqs: jax.
     # per token and head: the output accumulator, the softmax denominator, the running max
     state = jnp.concatenate([jnp.zeros((kv, rows, group, d + 1), jnp.float32),
                              jnp.full((kv, rows, group, 1), -jnp.inf, jnp.float32)], axis=-1)
-    if windows == (1,):   # one token per sequence or nearly (a decode step's shape): decide at run time
+    if windows == (1,) and slots <= 2:   # together_pays always holds: num_seqs x max <= 2 x sum
+        state = together(state)
+    elif windows == (1,):   # one token per sequence or nearly (a decode step's shape): decide at run time
         state = lax.cond(together_pays(needed, num_seqs), together,
                          lambda st: lax.fori_loop(0, num_seqs, sequence, st), state)
     else:
