@@ -63,6 +63,15 @@ def bucket_shape(outputs: list[SchedulerOutput], sp: int = 1) -> tuple[int, int]
             bucket(max(len(o.sequences) for o in outputs)))
 
 
+def prefill_sizes(max_tokens: int, sp: int = 1) -> list[int]:
+    """Token counts of prompt steps: the budget and its quarters down to 16 (256: 16, 64, 256), so a prompt
+    step pads to under 4x its tokens (or to the smallest size) and a server needs a handful of prefill
+    programs, not one per power of two and sequence count; under sp a multiple of the ring's 2 x sp chunks."""
+    sizes = {bucket(max_tokens >> 2 * k, multiple=2 * sp if sp > 1 else 1)
+             for k in range(max_tokens.bit_length()) if max_tokens >> 2 * k >= 16}
+    return sorted(sizes)
+
+
 def table_width(max_len: int, page_size: int, sp: int = 1) -> int:
     """Page-table entries per sequence: the pages of the longest sequence an engine admits, a multiple of sp.
     One width per engine, so no sequence length ever needs another program (vLLM's block table is as wide

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from jaxinfer.attention import choose_backend
-from jaxinfer.batch import GREEDY, bucket, bucket_shape, pack, ring_order, table_width
+from jaxinfer.batch import GREEDY, bucket, bucket_shape, pack, prefill_sizes, ring_order, table_width
 from jaxinfer.config import EngineConfig
 from jaxinfer.distributed import shared_seed
 from jaxinfer.kv_cache import PagedKVCache, page_bytes, pool_pages
@@ -46,6 +46,7 @@ from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 
 class RequestError(ValueError):
     """A request that cannot be served: the message names the value and the limit."""
+
 
 
 class EngineStalled(RuntimeError):
@@ -106,6 +107,7 @@ class Engine:
                                    replicas * self.pages_per_replica, config.page_size, cfg.head_dim, dtype, layout)
         self.max_tokens = bucket(config.max_tokens_per_step, 16)
         self.max_seqs = bucket(min(config.max_num_seqs, self.max_tokens))   # sequence slots of the widest step
+        self.prefill_sizes = prefill_sizes(self.max_tokens, self.sp)
         self.table_width = table_width(min(cfg.context_length, self.capacity), config.page_size, self.sp)
         self.runner = (PipelineRunner if self.stages > 1 else ModelRunner)(
             model, layout, weights, cache, backend, max_seqs=self.max_seqs)
@@ -256,11 +258,17 @@ class Engine:
         return finished
 
     def step_shape(self, outputs: list[SchedulerOutput]) -> tuple[int, int]:
-        """The step's bucket (batch.bucket_shape), except that a step filling more than half the token budget
-        gets every sequence slot: it is compute-bound (the head on the spare rows costs about 1% of it), and
-        one program then serves every mix of prompt chunks (jaxinfer.warmup)."""
+        """The step's bucket (batch.bucket_shape), except that a step with prompt tokens takes the next of a
+        few prefill sizes (prefill_sizes) and, unless it holds one sequence, as many sequence slots as it may
+        hold (its tokens, at most max_seqs): prompt steps are compute-bound, so padding costs less than a
+        compile, and the warm-up's few programs serve every prompt (jaxinfer.warmup). A lone prompt keeps
+        its one slot: the sampler's sort (top-k/p, min-p) costs per slot, 17 ms a row at a 128k vocabulary
+        on 2 CPU cores."""
         tokens, seqs = bucket_shape(outputs, self.sp)
-        return tokens, self.max_seqs if tokens == self.max_tokens else seqs
+        if any(o.prefill for o in outputs):
+            tokens = next(n for n in self.prefill_sizes if n >= tokens)
+            seqs = 1 if seqs == 1 else min(tokens, self.max_seqs)
+        return tokens, seqs
 
     def _hand_out(self, step: Dispatched) -> list[Request]:
         """Wait for a dispatched step's tokens and give them to their requests (stop checks, detokenizing,

@@ -5,11 +5,12 @@ a power of two, and log-probabilities on or off (page tables are one width per e
 Every combination is dozens of executables (seconds each on CPU), so the warm-up compiles the ones serving
 hits:
 - decode steps: S running sequences of one token each (N = S), S = 1, 2, 4 .. max_num_seqs;
-- full prefill steps: more than half the token budget (N = max_tokens_per_step), the prompt chunks of a busy
-  server, which always get all max_num_seqs sequence slots (Engine.step_shape).
+- prompt steps: N = the token budget, a quarter of it, .. down to 16 (engine.prefill_sizes), each with one
+  sequence slot (a lone prompt) or as many as it may hold (Engine.step_shape): every step with prompt
+  tokens takes one of these.
 Greedy and sampled requests share these (sampling is data, not shape). Not covered, compiled on first use:
-steps of prompt tokens within half the budget (a lone short prompt), requests asking for log-probabilities,
-scoring (LLM.logits), and pipeline parallel (pp > 1), whose steps carry the microbatches in flight.
+requests asking for log-probabilities, scoring (LLM.logits), and pipeline parallel (pp > 1), whose steps
+carry the microbatches in flight.
 
 Buckets are compiled by a few threads at once: tracing holds Python's lock, but XLA compiles (and loads
 cached executables) outside it, so a warm restart's loads overlap the next bucket's tracing (12 buckets of
@@ -43,7 +44,8 @@ def warmup_shapes(engine: Engine) -> list[Shape]:
     sp = engine.sp
     tokens = lambda n: bucket(n, multiple=2 * sp if sp > 1 else 1)  # noqa: E731
     decode = [(tokens(s), s, False) for s in powers_of_two(engine.max_seqs)]
-    return list(dict.fromkeys([*decode, (tokens(engine.max_tokens), engine.max_seqs, sp > 1)]))
+    prefill = [(n, s, sp > 1) for n in engine.prefill_sizes for s in (1, min(n, engine.max_seqs))]
+    return list(dict.fromkeys([*decode, *prefill]))
 
 
 def warmup(engine: Engine, progress: bool = True) -> int:

@@ -75,7 +75,7 @@ TINY_MOE = {**DEFAULT, "architectures": ["MixtralForCausalLM"], "model_type": "m
 
 def test_bench_moe_all_to_all_and_expert_load(tmp_path, capsys):
     path = write_random_checkpoint(tmp_path / "tiny-moe", TINY_MOE)
-    argv = ["--model", str(path), "--preset", "moe", "--mesh", "ep=2", "--batch", "2", "--prompt-len", "8",
+    argv = ["--model", str(path), "--preset", "moe", "--mesh", "ep=2", "--batch", "2", "--prompt-len", "16",
             "--max-tokens", "3", "--dtype", "float32", "--bandwidth-mib", "32", "--json"]
     assert bench.main(argv) == 0
     r = json.loads(capsys.readouterr().out)
@@ -87,10 +87,10 @@ def test_bench_moe_all_to_all_and_expert_load(tmp_path, capsys):
     [x] = r["results"]
     assert x["batch"] == 2
     # Batch 2 over the 2 ep replicas: one sequence each, one row per device. Token bucket N per replica: the
-    # 8-token prompt in one prefill step (N = 8, a power of two), then 1 token per decode step (N = 1).
+    # 16-token prompt in one prefill step (N = 16, a prompt-step size), then 1 token per decode step (N = 1).
     # moe.py per device and MoE layer: dispatch ep*C*(E*b + 4), combine ep*C*E*b, C = N*k.
     a2a = x["moe"]["all_to_all"]
-    for phase, n in (("prefill", 8), ("decode", 1)):
+    for phase, n in (("prefill", 16), ("decode", 1)):
         a, C = a2a[phase], n * k
         expected = L * (ep * C * (E * f32 + 4) + ep * C * E * f32)
         assert a["count"] == 2 * L, phase
@@ -108,7 +108,7 @@ def test_bench_moe_all_to_all_and_expert_load(tmp_path, capsys):
     # The measured run computed every prompt token and the first max_tokens - 1 sampled tokens of each
     # sequence (the warm-up run's load is subtracted); each was sent to k experts in every MoE layer.
     routed = x["prefill_tokens"] + x["decode_tokens"]
-    assert routed == 2 * 8 + 2 * (3 - 1)
+    assert routed == 2 * 16 + 2 * (3 - 1)
     assert counts.sum(axis=1).tolist() == [routed * k] * L
     imbalance = (counts.max(axis=1) / counts.mean(axis=1)).tolist()
     assert load["imbalance"] == pytest.approx(imbalance, rel=1e-12)
@@ -116,7 +116,7 @@ def test_bench_moe_all_to_all_and_expert_load(tmp_path, capsys):
     assert load["imbalance_mean"] == pytest.approx(sum(imbalance) / L, rel=1e-12)
 
     text = bench.readable(r).splitlines()
-    for phase, n in (("prefill", 8), ("decode", 1)):
+    for phase, n in (("prefill", 16), ("decode", 1)):
         a = a2a[phase]
         row = next(line.split() for line in text if line.split()[:2] == ["2", phase])
         assert row == ["2", phase, str(2 * L), f"{a['bytes_per_device']:,}", f"{ep * n}/{ep * n}",

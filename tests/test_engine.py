@@ -79,18 +79,20 @@ def test_decode_step_has_two_all_reduces_per_layer(mesh, batch, prompts, llama_o
         assert collective_counts(decode, kind) == (0, 0)
     # prefill: each replica's prompts packed flat (requests alternate between replicas), padded to a bucket
     lengths = [len(p) for p in prompts[:batch]]
-    N = bucket(max(sum(lengths[i::dp]) for i in range(dp)))
+    N = next(n for n in llm.engine.prefill_sizes if n >= bucket(max(sum(lengths[i::dp]) for i in range(dp))))
     assert collective_counts(prefill, "all-reduce") == (2 * L + 1, (2 * L + 1) * N * E * f32)
 
 
 def test_each_tp_rank_sorts_only_its_own_rows(llama_tp4, prompts):
-    """The filters' vocabulary sort is split by rows over tp: four sequences at tp=4, one row per rank."""
+    """The filters' vocabulary sort is split by rows over tp: four decoding sequences at tp=4, one row per
+    rank; their prompt step's sequence slots (as many as its tokens may hold), a quarter per rank."""
     sampled = SamplingParams(max_tokens=4, temperature=0.9, top_p=0.8, seed=3, ignore_eos=True)
     llama_tp4.generate(prompts[:4], sampled)
-    V = llama_tp4.config.vocab_size
-    for step, executable in llama_tp4.engine.runner.last.items():
-        sorts = re.findall(r"= \(?(\w+\[[\d,]*\])[^=]* sort\(", executable.as_text())
-        assert sorts and set(sorts) == {f"f32[1,{V}]"}, step
+    engine, V = llama_tp4.engine, llama_tp4.config.vocab_size
+    prompt_step = next(n for n in engine.prefill_sizes if n >= bucket(sum(map(len, prompts[:4]))))
+    for step, slots in (("decode", 4), ("prefill", min(prompt_step, engine.max_seqs))):
+        sorts = re.findall(r"= \(?(\w+\[[\d,]*\])[^=]* sort\(", engine.runner.last[step].as_text())
+        assert sorts and set(sorts) == {f"f32[{slots // 4},{V}]"}, step
 
 
 def test_chat_applies_template(llama_tp4):

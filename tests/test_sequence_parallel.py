@@ -146,8 +146,9 @@ def test_sp4_prefill_permutes_w_minus_1_times_per_layer_and_decode_bytes_do_not_
         sp4.generate([prompt(n, seed=n)], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
         runner = sp4.engine.runner
         reports[n] = {phase: collective_report(runner.last[phase].as_text()) for phase in ("prefill", "decode")}
-    # the last prefill chunk: 20 tokens (bucket 32) and 200 - 3 * 64 = 8 tokens (bucket 8)
-    for r, chunk in ((reports[20], 32), (reports[200], 8)):
+    # the last prefill chunk: 20 tokens and 200 - 3 * 64 = 8 tokens, in the prompt-step sizes 16 and 64
+    assert sp4.engine.prefill_sizes == [16, 64]
+    for r, chunk in ((reports[20], 64), (reports[200], 16)):
         # the ring: W - 1 permutes per layer of each rank's K and V block [chunk / W tokens, 2, KV, D]
         permutes = {"count": L * (W - 1), "bytes": L * (W - 1) * chunk // W * 2 * KV * D * 4}
         assert r["prefill"]["collective-permute"] == permutes

@@ -10,7 +10,7 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.batch import GREEDY as GREEDY_ARRAYS
-from jaxinfer.batch import pack
+from jaxinfer.batch import pack, prefill_sizes
 from jaxinfer.compilation_cache import compilation_cache_dir
 from jaxinfer.scheduler import ScheduledSequence, SchedulerOutput
 from jaxinfer.warmup import warmup_shapes
@@ -27,15 +27,15 @@ def llm(hf_tiny):
 
 def test_warmup_compiles_the_serving_buckets_and_generate_compiles_nothing_new(llm):
     shapes = warmup_shapes(llm.engine)
-    # decodes of 1 and 2 sequences, and the 16-token budget with both sequence slots; one page-table width
-    # (the 512-token context's 32 entries) for every sequence length
-    assert shapes == [(1, 1, False), (2, 2, False), (16, 2, False)]
+    # decodes of 1 and 2 sequences, and prompt steps of the 16-token budget with one or both sequence slots;
+    # one page-table width (the 512-token context's 32 entries) for every sequence length
+    assert shapes == [(1, 1, False), (2, 2, False), (16, 1, False), (16, 2, False)]
     assert llm.engine.table_width == 32
     assert llm.warmup(progress=False) == len(shapes) == llm.engine.compilations
     prompts = [list(range(10, 17)), list(range(20, 28))]   # one 15-token prefill step, then decodes of 2
     out = llm.generate(prompts, [GREEDY, SamplingParams(max_tokens=3, temperature=0.8, seed=1, ignore_eos=True)])
     assert [len(c.token_ids) for c in out] == [3, 3]
-    lone = llm.generate([list(range(30, 42))], GREEDY)[0]    # 12 tokens, past half the budget: both slots
+    lone = llm.generate([list(range(30, 33))], GREEDY)[0]    # a 3-token prompt step pads to the 16 of the budget
     assert len(lone.token_ids) == 3
     long = llm.generate([list(range(1, 113))], GREEDY)[0]    # 7 full 16-token chunks, then 8 pages of decode
     assert len(long.token_ids) == 3
@@ -57,7 +57,7 @@ hits = []
 jax.monitoring.register_event_listener(lambda event, **_: hits.append(event))
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.batch import GREEDY as GREEDY_ARRAYS
-from jaxinfer.batch import pack
+from jaxinfer.batch import pack, prefill_sizes
 llm = LLM(sys.argv[1], dtype="float32", max_tokens_per_step=16)
 llm.generate([[1, 5, 6, 7]], SamplingParams(max_tokens=2, temperature=0))
 print(json.dumps({"hits": hits.count("/jax/compilation_cache/cache_hits"), "compiled": llm.engine.compilations}))
@@ -93,3 +93,9 @@ def test_the_cache_can_be_turned_off(hf_tiny, tmp_path, monkeypatch):
     finally:
         jax.config.update("jax_enable_compilation_cache", enabled)
     assert jax.config.jax_compilation_cache_dir == before and not (tmp_path / "xla").exists()
+
+
+@pytest.mark.parametrize("budget, sp, sizes", [(256, 1, [16, 64, 256]), (16, 1, [16]), (2048, 1, [32, 128, 512, 2048]),
+                                               (256, 16, [32, 64, 256])])
+def test_prompt_steps_take_a_few_sizes(budget, sp, sizes):
+    assert prefill_sizes(budget, sp) == sizes
