@@ -2,9 +2,9 @@
 
 Each replica's sequences are laid end to end (decode tokens and prefill chunks alike), one row per
 replica, padded to shared bucket shapes so that a steady workload compiles nothing new:
-- tokens per replica: a power of two;
+- tokens per replica: a power of two (steps with prompt tokens: one of prefill_sizes, chosen by the engine);
 - sequences per replica: a power of two;
-- pages per sequence in the page table: a power of two.
+- pages per sequence in the page table: one width per engine (table_width), whatever the step.
 Padding tokens write their K/V to a sentinel slot (one past the pool) that the cache write drops.
 
 Under sequence parallel (sp ranks) the token axis is split over the ranks in the load-balanced causal
