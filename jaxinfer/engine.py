@@ -48,7 +48,6 @@ class RequestError(ValueError):
     """A request that cannot be served: the message names the value and the limit."""
 
 
-
 class EngineStalled(RuntimeError):
     """Requests are queued but no step can make progress: a bug, reported instead of spinning forever."""
 
