@@ -56,19 +56,21 @@ def bucket(n: int, minimum: int = 1, multiple: int = 1) -> int:
     return -(-size // multiple) * multiple
 
 
+def token_bucket(n: int, sp: int = 1) -> int:
+    """n tokens per replica rounded up to a power of two; under sp to a multiple of the ring's 2 x sp chunks."""
+    return bucket(n, multiple=2 * sp if sp > 1 else 1)
+
+
 def bucket_shape(outputs: list[SchedulerOutput], sp: int = 1) -> tuple[int, int]:
-    """(tokens, sequences) per replica, each rounded up to its bucket; under sp the tokens to a multiple of
-    the ring's 2 x sp chunks."""
-    return (bucket(max(o.num_tokens for o in outputs), multiple=2 * sp if sp > 1 else 1),
-            bucket(max(len(o.sequences) for o in outputs)))
+    """(tokens, sequences) per replica, each rounded up to its bucket (tokens: token_bucket)."""
+    return (token_bucket(max(o.num_tokens for o in outputs), sp), bucket(max(len(o.sequences) for o in outputs)))
 
 
 def prefill_sizes(max_tokens: int, sp: int = 1) -> list[int]:
     """Token counts of prompt steps: the budget and its quarters down to 16 (256: 16, 64, 256), so a prompt
     step pads to under 4x its tokens (or to the smallest size) and a server needs a handful of prefill
-    programs, not one per power of two and sequence count; under sp a multiple of the ring's 2 x sp chunks."""
-    sizes = {bucket(max_tokens >> 2 * k, multiple=2 * sp if sp > 1 else 1)
-             for k in range(max_tokens.bit_length()) if max_tokens >> 2 * k >= 16}
+    programs, not one per power of two and sequence count; each a token_bucket under sp."""
+    sizes = {token_bucket(max_tokens >> 2 * k, sp) for k in range(max_tokens.bit_length()) if max_tokens >> 2 * k >= 16}
     return sorted(sizes)
 
 
@@ -95,9 +97,6 @@ def pack(outputs: list[SchedulerOutput], page_size: int, pool_pages: int, width:
     wide (table_width), tokens in ring order under sp."""
     P, R = page_size, len(outputs)
     N, S = shape or bucket_shape(outputs, sp)
-    longest = max((len(s.pages) for o in outputs for s in o.sequences), default=0)
-    if longest > width:
-        raise ValueError(f"a sequence holds {longest} pages, more than the page table's {width} entries")
     tokens, positions = np.zeros((R, N), np.int32), np.zeros((R, N), np.int32)
     slots = np.full((R, N), pool_pages * P, np.int32)
     page_table = np.zeros((R, S, width), np.int32)
@@ -113,6 +112,8 @@ def pack(outputs: list[SchedulerOutput], page_size: int, pool_pages: int, width:
             tokens[i, t: t + n] = seq.token_ids
             positions[i, t: t + n] = pos
             pages = np.asarray(seq.pages)
+            if len(pages) > width:
+                raise ValueError(f"a sequence holds {len(pages)} pages, more than the page table's {width} entries")
             slots[i, t: t + n] = pages[pos // P] * P + pos % P
             token_seq[i, t: t + n] = s
             feed[i, t + n - 1] = seq.feed

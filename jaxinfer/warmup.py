@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from tqdm import tqdm
 
-from jaxinfer.batch import bucket, pack
+from jaxinfer.batch import pack, token_bucket
 from jaxinfer.engine import Engine
 from jaxinfer.scheduler import SchedulerOutput
 
@@ -41,10 +41,8 @@ def powers_of_two(upto: int) -> list[int]:
 
 def warmup_shapes(engine: Engine) -> list[Shape]:
     """The buckets the warm-up compiles (see the module docstring), rounded as jaxinfer.batch rounds them."""
-    sp = engine.sp
-    tokens = lambda n: bucket(n, multiple=2 * sp if sp > 1 else 1)  # noqa: E731
-    decode = [(tokens(s), s, False) for s in powers_of_two(engine.max_seqs)]
-    prefill = [(n, s, sp > 1) for n in engine.prefill_sizes for s in (1, min(n, engine.max_seqs))]
+    decode = [(token_bucket(s, engine.sp), s, False) for s in powers_of_two(engine.max_seqs)]
+    prefill = [(n, s, engine.sp > 1) for n in engine.prefill_sizes for s in (1, min(n, engine.max_seqs))]
     return list(dict.fromkeys([*decode, *prefill]))
 
 
