@@ -191,7 +191,7 @@ class EngineConfig:
     max_tokens_per_step: int = 256          # token budget per replica per step (rounded up to a power of two)
     prefix_caching: bool = True
     attention_backend: str | None = None    # "xla" or "pallas"; None: pallas on GPU where it tiles, else xla
-    compilation_cache: bool = True          # JAX's persistent cache under the jaxinfer cache directory
+    compilation_cache: bool = True          # compiled programs kept on disk (jaxinfer.compilation_cache)
     overlap: bool = True                    # schedule step k+1 while step k runs (jaxinfer.engine)
     scan_layers: bool | None = None         # one lax.scan per layer stack; None: unrolled for large layers on CPU
 

@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxinfer.attention import choose_backend
 from jaxinfer.batch import GREEDY, bucket, bucket_shape, pack, prefill_sizes, ring_order, table_width
+from jaxinfer.compilation_cache import executables_dir
 from jaxinfer.config import EngineConfig
 from jaxinfer.distributed import shared_seed
 from jaxinfer.kv_cache import PagedKVCache, page_bytes, pool_pages
@@ -109,7 +110,8 @@ class Engine:
         self.prefill_sizes = prefill_sizes(self.max_tokens, self.sp)
         self.table_width = table_width(min(cfg.context_length, self.capacity), config.page_size, self.sp)
         self.runner = (PipelineRunner if self.stages > 1 else ModelRunner)(
-            model, layout, weights, cache, backend, max_seqs=self.max_seqs)
+            model, layout, weights, cache, backend, max_seqs=self.max_seqs,
+            executables=executables_dir() if config.compilation_cache else None)
         self.overlap = config.overlap and self.stages == 1      # a pipeline already keeps steps in flight
         self.schedulers = [Scheduler(PagePool(self.pages_per_replica, config.page_size, config.prefix_caching, self.sp),
                                      config.max_num_seqs, self.max_tokens, self.stages, self.overlap)

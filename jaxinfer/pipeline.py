@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -133,8 +134,8 @@ class PipelineRunner(ModelRunner):
     """A ModelRunner whose step is one pipeline call (see the module docstring)."""
 
     def __init__(self, model: Model, layout: Layout, weights: Weights, cache: PagedKVCache, backend: str,
-                 max_seqs: int = 1):
-        super().__init__(model, layout, weights, cache, backend, max_seqs)
+                 max_seqs: int = 1, executables: Path | None = None):
+        super().__init__(model, layout, weights, cache, backend, max_seqs, executables)
         self.stages = layout.axis_size("layers")
         self.stage_layout = layout.stage()
         self._moe_stacks = tuple(s for s in weights.layers if _holds_only(s, model.cfg.moe_layers))

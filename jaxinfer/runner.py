@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import chex
@@ -28,6 +29,7 @@ import numpy as np
 from flax import struct
 
 from jaxinfer.batch import StepBatch
+from jaxinfer.compilation_cache import defined_in_jaxinfer, executable_key, load_executable, save_executable, signature
 from jaxinfer.distributed import to_host
 from jaxinfer.kv_cache import PagedKVCache
 from jaxinfer.layers import StepContext, Weights, run_layers
@@ -95,9 +97,13 @@ class ModelRunner:
     """Runs steps of one model on one mesh; owns the weights, the KV pool and the compiled executables."""
 
     def __init__(self, model: Model, layout: Layout, weights: Weights, cache: PagedKVCache, backend: str,
-                 max_seqs: int = 1):
-        """max_seqs: the most sequences a replica's step holds (the width of the kept sampled tokens)."""
+                 max_seqs: int = 1, executables: Path | None = None):
+        """max_seqs: the most sequences a replica's step holds (the width of the kept sampled tokens);
+        executables: a directory to keep compiled steps in across processes (jaxinfer.compilation_cache),
+        used for jaxinfer's own architectures."""
         self.model, self.layout, self.weights, self.backend = model, layout, weights, backend
+        self.executables_dir = executables if defined_in_jaxinfer(type(model)) else None
+        self.loaded = 0   # executables read from executables_dir instead of compiled
         replicas = layout.axis_size("batch")
         sampled = jax.device_put(np.zeros((replicas, max_seqs), np.int32), layout.sharding(("batch", None)))
         self.state: Any = RunnerState(cache, sampled)
@@ -211,15 +217,32 @@ class ModelRunner:
 
     def _executable(self, kind: str, inputs: Inputs, buffers: list[np.ndarray]) -> jax.stages.Compiled:
         leaves, tree = jax.tree.flatten(self.state)
-        key = (kind, inputs, tree, *map(jax.typeof, leaves))   # inputs: the batch's tree (static flags), shapes
+        key = (kind, inputs, tree, *((x.shape, x.dtype) for x in leaves))   # inputs: the batch's tree, shapes
         if key not in self.executables:
             t0 = time.perf_counter()
-            with self._tracing():
-                replicated = [jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=self._replicated) for b in buffers]
-                self.executables[key] = self._jitted[kind].lower(self.weights, self.state, replicated,
-                                                                 inputs).compile()
+            stored = self._stored(kind, inputs, buffers) if self.executables_dir is not None else None
+            exe = load_executable(stored, list(self.layout.mesh.devices.flat)) if stored is not None else None
+            if exe is not None:
+                self.loaded += 1
+            else:
+                with self._tracing():
+                    replicated = [jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=self._replicated)
+                                  for b in buffers]
+                    exe = self._jitted[kind].lower(self.weights, self.state, replicated, inputs).compile()
+                if stored is not None:
+                    save_executable(stored, exe)
+            self.executables[key] = exe
             self.compile_seconds += time.perf_counter() - t0
         return self.executables[key]
+
+    def _stored(self, kind: str, inputs: Inputs, buffers: list[np.ndarray]) -> Path:
+        """Where the executable of this step is kept: named by everything its program depends on."""
+        model = type(self.model)
+        key = executable_key(type(self).__qualname__, kind, f"{model.__module__}.{model.__qualname__}",
+                             self.model.cfg, self.backend, self.layout, self.layout.mesh.device_ids.tolist(),
+                             inputs, [(b.shape, b.dtype.name) for b in buffers], signature(self.weights),
+                             signature(self.state))
+        return self.executables_dir / f"{kind}-{key}"
 
     def _tracing(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()

@@ -1,4 +1,4 @@
-"""Start-up: the warm-up compiles the buckets serving hits before any request, and JAX's persistent cache
+"""Start-up: the warm-up compiles the buckets serving hits before any request, and the compilation cache
 lets a fresh process load its executables instead of compiling them."""
 
 import json
@@ -8,10 +8,12 @@ import sys
 
 import pytest
 
-from jaxinfer import LLM, SamplingParams
+from jaxinfer import LLM, SamplingParams, compilation_cache
 from jaxinfer.batch import GREEDY as GREEDY_ARRAYS
 from jaxinfer.batch import pack, prefill_sizes
 from jaxinfer.compilation_cache import compilation_cache_dir
+from jaxinfer.models import Llama
+from jaxinfer.runner import ModelRunner
 from jaxinfer.scheduler import ScheduledSequence, SchedulerOutput
 from jaxinfer.warmup import warmup_shapes
 
@@ -52,15 +54,11 @@ def test_a_sequence_wider_than_the_page_table_is_refused():
 
 CHILD = """
 import json, sys
-import jax
-hits = []
-jax.monitoring.register_event_listener(lambda event, **_: hits.append(event))
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.batch import GREEDY as GREEDY_ARRAYS
-from jaxinfer.batch import pack, prefill_sizes
-llm = LLM(sys.argv[1], dtype="float32", max_tokens_per_step=16)
-llm.generate([[1, 5, 6, 7]], SamplingParams(max_tokens=2, temperature=0))
-print(json.dumps({"hits": hits.count("/jax/compilation_cache/cache_hits"), "compiled": llm.engine.compilations}))
+llm = LLM(sys.argv[1], mesh="dp=2,tp=2", dtype="float32", max_tokens_per_step=16)
+out = llm.generate([[1, 5, 6, 7], [9, 8]], SamplingParams(max_tokens=2, temperature=0))
+print(json.dumps({"tokens": [c.token_ids for c in out], "compiled": llm.engine.compilations,
+                  "loaded": llm.engine.runner.loaded}))
 llm.close()
 """
 
@@ -72,14 +70,45 @@ def fresh_process(hf_tiny, cache) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def test_a_restart_loads_its_executables_from_the_persistent_cache(hf_tiny, tmp_path, monkeypatch):
+def test_a_restart_loads_its_step_executables_and_compiles_nothing(hf_tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("JAXINFER_CACHE", str(tmp_path))
     cold = fresh_process(hf_tiny, tmp_path)
-    entries = sorted(compilation_cache_dir().iterdir())
-    assert cold["compiled"] == 2 and len(entries) >= cold["compiled"]   # prefill and decode steps, at least
+    entries = sorted(compilation_cache_dir().rglob("*"))
+    steps = list((compilation_cache_dir() / "executables").iterdir())
+    assert cold["compiled"] == len(steps) == 2 and cold["loaded"] == 0    # a prefill and a decode step, 4 devices
     warm = fresh_process(hf_tiny, tmp_path)
-    assert warm["compiled"] == 2 and warm["hits"] >= warm["compiled"]
-    assert sorted(compilation_cache_dir().iterdir()) == entries        # nothing compiled afresh
+    assert warm["loaded"] == warm["compiled"] == 2 and warm["tokens"] == cold["tokens"]
+    assert sorted(compilation_cache_dir().rglob("*")) == entries        # nothing compiled afresh
+
+
+class Registered(Llama):
+    """An architecture defined outside jaxinfer: its source is not part of the executables' key."""
+
+
+def test_a_step_executable_is_kept_under_everything_it_depends_on(llm, tmp_path, monkeypatch, caplog):
+    engine, runner = llm.engine, llm.engine.runner
+    batch = pack([SchedulerOutput([])], engine.config.page_size, engine.pages_per_replica, engine.table_width, (1, 1))
+
+    def fresh(model=llm.model) -> ModelRunner:
+        return ModelRunner(model, llm.layout, runner.weights, runner.cache, runner.backend, engine.max_seqs,
+                           executables=tmp_path)
+
+    first = fresh()
+    first.compile("step", batch)
+    (stored,) = tmp_path.iterdir()
+    again = fresh()
+    again.compile("step", batch)
+    assert (first.loaded, again.loaded, list(tmp_path.iterdir())) == (0, 1, [stored])
+    monkeypatch.setattr(compilation_cache, "source_digest", lambda: "other source")
+    fresh().compile("step", batch)                                       # another jaxinfer: another key
+    assert len(list(tmp_path.iterdir())) == 2
+    monkeypatch.undo()
+    stored.write_bytes(b"not an executable")
+    damaged = fresh()
+    damaged.compile("step", batch)                                       # compiled again, and stored again
+    assert damaged.loaded == 0 and "ignoring the cached executable" in caplog.text
+    assert fresh().compile("step", batch) and len(list(tmp_path.iterdir())) == 2
+    assert fresh(Registered(llm.model.cfg)).executables_dir is None
 
 
 def test_the_cache_can_be_turned_off(hf_tiny, tmp_path, monkeypatch):
