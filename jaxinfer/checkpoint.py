@@ -178,12 +178,15 @@ class SafetensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.tensors[name]["shape"])
 
+    def check_dtype(self, name: str) -> None:
+        if self.tensors[name]["dtype"] not in DTYPES:
+            raise CheckpointError(f"tensor {name!r} in {self.path} has dtype {self.tensors[name]['dtype']}; "
+                                  f"jaxinfer reads {', '.join(DTYPES)}")
+
     def array(self, name: str) -> np.ndarray:
         """A zero-copy view: slicing it reads only the touched pages."""
+        self.check_dtype(name)
         t = self.tensors[name]
-        if t["dtype"] not in DTYPES:
-            raise CheckpointError(f"tensor {name!r} in {self.path} has dtype {t['dtype']}; "
-                                  f"jaxinfer reads {', '.join(DTYPES)}")
         begin, end = t["data_offsets"]
         raw = self._map[self.data_start + begin: self.data_start + end]
         return raw.view(DTYPES[t["dtype"]]).reshape(t["shape"])
@@ -223,8 +226,8 @@ class Checkpoint:
                     raise CheckpointError(f"{index} places {t!r} in {n}, but that file does not hold it")
 
     def check(self, specs: Any) -> None:
-        """Every tensor present with the shape the config implies, before anything is read or compiled.
-        specs: a pytree of specs (a model's Weights)."""
+        """Every tensor present with the shape the config implies and a dtype jaxinfer reads, before anything
+        is read or compiled. specs: a pytree of specs (a model's Weights)."""
         for key, spec in named_specs(specs):
             for part, name in ((p, n) for p in spec.parts for n in p.hf_names()):
                 if name not in self.where:
@@ -233,6 +236,7 @@ class Checkpoint:
                 if found != part.hf_shape:
                     raise CheckpointError(f"tensor {name!r} has shape {list(found)} but config.json implies "
                                           f"{list(part.hf_shape)}: config and weights do not match")
+                self.where[name].check_dtype(name)
 
     def read(self, spec: Spec, index: tuple[slice, ...]) -> np.ndarray:
         """Our-layout slice `index` of a parameter, reading only the rows it needs from each tensor."""

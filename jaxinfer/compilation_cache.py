@@ -8,8 +8,9 @@ to JAX already in JAX_COMPILATION_CACHE_DIR):
 - The engine's step executables (jaxinfer.runner), serialized under `executables/` and keyed by what
   decides the program without tracing it: jax's version and devices, the mesh, the model's class and
   config, the arguments' shapes and shardings, the step's static inputs, and a digest of jaxinfer's own
-  source. A hit is only XLA's load. Only architectures defined in jaxinfer itself are kept there: the
-  source of a model registered from elsewhere is not in the key, so its steps go through JAX's cache.
+  source. A hit is only XLA's load, and LLM reads the warm-up's steps back while the weights load. Only
+  architectures defined in jaxinfer itself are kept there: the source of a model registered from
+  elsewhere is not in the key, so its steps go through JAX's cache.
 
 The cache is trusted code (executables and pickled tree structures): keep its directory private. Delete
 it at any time; entries of an older jaxinfer or jax are never read again.
@@ -81,13 +82,14 @@ def defined_in_jaxinfer(cls: type) -> bool:
 
 
 def signature(tree: Any) -> str:
-    """A pytree's structure and each leaf's shape, dtype and placement (which slice each device holds: equal
-    shardings written differently, as an executable read back writes its outputs', read the same)."""
+    """A pytree's structure and each leaf's (array or jax.ShapeDtypeStruct) shape, dtype and placement
+    (which slice each device holds: equal shardings written differently, as an executable read back
+    writes its outputs', read the same)."""
     def placement(x: Any) -> Any:
         sharding = x.sharding
         return sharding.memory_kind, sorted((d.id, repr(i)) for d, i in sharding.devices_indices_map(x.shape).items())
     leaves, treedef = jax.tree.flatten(tree)
-    return repr((str(treedef), [(jax.typeof(x).str_short(), placement(x)) for x in leaves]))
+    return repr((str(treedef), [(x.shape, x.dtype.name, placement(x)) for x in leaves]))
 
 
 def executable_key(*parts: Any) -> str:

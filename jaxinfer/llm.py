@@ -8,13 +8,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.checkpoint import Checkpoint, load_params
+from jaxinfer.checkpoint import Checkpoint, is_spec, load_params
 from jaxinfer.collectives import collective_report
 from jaxinfer.compilation_cache import enable_compilation_cache
 from jaxinfer.config import EngineConfig, ModelConfig
@@ -66,7 +67,7 @@ class LLM:
         except TokenizerError:
             tokenizer = None  # token-id prompts still work
         self._start(engine_config, tokenizer, lambda specs: load_params(checkpoint, specs, self.layout.sharding,
-                                                                        self.dtype))
+                                                                        self.dtype), check=checkpoint.check)
 
     @classmethod
     def random(cls, config: ModelConfig | dict, mesh: str | MeshConfig = "", dtype: str = "auto", seed: int = 0,
@@ -92,8 +93,10 @@ class LLM:
         self.dtype = resolve_dtype(dtype, self.config)
 
     def _start(self, engine_config: EngineConfig, tokenizer: Tokenizer | None,
-               make_weights: Callable[[Weights], Weights]) -> None:
-        """The weights (`make_weights` turns the ParamSpec tree into arrays), the engine and its loop."""
+               make_weights: Callable[[Weights], Weights], check: Callable[[Weights], None] = lambda specs: None
+               ) -> None:
+        """The weights (`make_weights` turns the ParamSpec tree into arrays, once `check` has passed it), the
+        engine and its loop."""
         self.tokenizer = tokenizer
         self.layout = Layout(self.mesh_config.make())
         self.model = model_for(self.config)
@@ -104,7 +107,20 @@ class LLM:
         specs = split_stages(specs, self.config.num_layers, stages)
         if not self._scan_layers(engine_config.scan_layers, stages, specs):
             specs = one_stack_per_layer(specs)
-        self.engine = Engine(self.model, self.layout, make_weights(specs), self.dtype, engine_config, self.tokenizer)
+        check(specs)   # a bad checkpoint is refused before the engine exists
+        # The engine is built on the weights' shapes while they load, so the step executables already
+        # compiled on this machine are read back meanwhile (jaxinfer.compilation_cache).
+        shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, self.dtype,
+                                                             sharding=self.layout.sharding(s.axes)),
+                              specs, is_leaf=is_spec)
+        with ThreadPoolExecutor(1) as pool:
+            weights = pool.submit(make_weights, specs)
+            self.engine = Engine(self.model, self.layout, shapes, self.dtype, engine_config, self.tokenizer)
+            if self.engine.runner.executables_dir is not None and self.engine.stages == 1:
+                from jaxinfer.warmup import warmup
+
+                warmup(self.engine, progress=False, stored_only=True)
+            self.engine.runner.weights = weights.result()
         self.loop = EngineLoop(self.engine)
         log.info("loaded %s (%s) on mesh %s in %s", self.source, self.config.architecture, self.mesh_config,
                  jnp.dtype(self.dtype).name)

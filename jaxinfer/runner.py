@@ -210,12 +210,14 @@ class ModelRunner:
         """dispatch, then collect at once."""
         return self.collect(self.dispatch(kind, batch, phase))
 
-    def compile(self, kind: str, batch: StepBatch) -> jax.stages.Compiled:
+    def compile(self, kind: str, batch: StepBatch, stored_only: bool = False) -> jax.stages.Compiled | None:
         """The executable of `kind` for the batch's bucket shape, compiled ahead of time on first use (timed
-        apart) and kept; nothing runs, so a warm-up can compile a server's buckets before it serves."""
-        return self._executable(kind, *Inputs.pack(batch))
+        apart) and kept; nothing runs, so a warm-up can compile a server's buckets before it serves.
+        stored_only: read it back from executables_dir if it is there, else leave it (None)."""
+        return self._executable(kind, *Inputs.pack(batch), stored_only=stored_only)
 
-    def _executable(self, kind: str, inputs: Inputs, buffers: list[np.ndarray]) -> jax.stages.Compiled:
+    def _executable(self, kind: str, inputs: Inputs, buffers: list[np.ndarray],
+                    stored_only: bool = False) -> jax.stages.Compiled | None:
         leaves, tree = jax.tree.flatten(self.state)
         key = (kind, inputs, tree, *((x.shape, x.dtype) for x in leaves))   # inputs: the batch's tree, shapes
         if key not in self.executables:
@@ -224,6 +226,8 @@ class ModelRunner:
             exe = load_executable(stored, list(self.layout.mesh.devices.flat)) if stored is not None else None
             if exe is not None:
                 self.loaded += 1
+            elif stored_only:
+                return None
             else:
                 with self._tracing():
                     replicated = [jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=self._replicated)

@@ -100,8 +100,9 @@ class Layout:
 
 
 def device_bytes(tree, device: jax.Device) -> int:
-    """Bytes of the shards of every array in `tree` that live on `device`."""
-    return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == device)
+    """Bytes of the shards of every array in `tree` (or jax.ShapeDtypeStruct with a sharding) on `device`."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+               for x in jax.tree.leaves(tree) if device in x.sharding.device_set)
 
 
 def kv_head_repeat(cfg: ModelConfig, tp: int) -> int:

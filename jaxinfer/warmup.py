@@ -46,8 +46,9 @@ def warmup_shapes(engine: Engine) -> list[Shape]:
     return list(dict.fromkeys([*decode, *prefill]))
 
 
-def warmup(engine: Engine, progress: bool = True) -> int:
-    """Compile (without running) the buckets of warmup_shapes; returns how many were new."""
+def warmup(engine: Engine, progress: bool = True, stored_only: bool = False) -> int:
+    """Compile (without running) the buckets of warmup_shapes; returns how many were new. stored_only: only
+    read back those already compiled on this machine (jaxinfer.compilation_cache)."""
     if engine.stages > 1:
         log.info("warm-up skipped: pipeline steps (pp > 1) are compiled on first use")
         return 0
@@ -58,7 +59,7 @@ def warmup(engine: Engine, progress: bool = True) -> int:
         batch = pack(idle, engine.config.page_size, engine.pages_per_replica, engine.table_width, (n, s), engine.sp)
         if ring:  # prefill under sp: fresh K/V travel the ring
             batch = batch.replace(meta=batch.meta.replace(ring=True))
-        engine.runner.compile("step", batch)
+        engine.runner.compile("step", batch, stored_only)
 
     shapes = warmup_shapes(engine)
     with (ThreadPoolExecutor(min(THREADS, os.cpu_count() or 1)) as pool,

@@ -56,9 +56,10 @@ CHILD = """
 import json, sys
 from jaxinfer import LLM, SamplingParams
 llm = LLM(sys.argv[1], mesh="dp=2,tp=2", dtype="float32", max_tokens_per_step=16)
+at_start = llm.engine.runner.loaded
 out = llm.generate([[1, 5, 6, 7], [9, 8]], SamplingParams(max_tokens=2, temperature=0))
 print(json.dumps({"tokens": [c.token_ids for c in out], "compiled": llm.engine.compilations,
-                  "loaded": llm.engine.runner.loaded}))
+                  "loaded": llm.engine.runner.loaded, "at_start": at_start}))
 llm.close()
 """
 
@@ -77,7 +78,8 @@ def test_a_restart_loads_its_step_executables_and_compiles_nothing(hf_tiny, tmp_
     steps = list((compilation_cache_dir() / "executables").iterdir())
     assert cold["compiled"] == len(steps) == 2 and cold["loaded"] == 0    # a prefill and a decode step, 4 devices
     warm = fresh_process(hf_tiny, tmp_path)
-    assert warm["loaded"] == warm["compiled"] == 2 and warm["tokens"] == cold["tokens"]
+    # read back while the weights loaded, before the first request
+    assert warm["at_start"] == warm["loaded"] == warm["compiled"] == 2 and warm["tokens"] == cold["tokens"]
     assert sorted(compilation_cache_dir().rglob("*")) == entries        # nothing compiled afresh
 
 
