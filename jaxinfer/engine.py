@@ -263,8 +263,8 @@ class Engine:
         few prefill sizes (prefill_sizes) and, unless it holds one sequence, as many sequence slots as it may
         hold (its tokens, at most max_seqs): prompt steps are compute-bound, so padding costs less than a
         compile, and the warm-up's few programs serve every prompt (jaxinfer.warmup). A lone prompt keeps
-        its one slot: the sampler's sort (top-k/p, min-p) costs per slot, 17 ms a row at a 128k vocabulary
-        on 2 CPU cores."""
+        its one slot: the sampler costs per slot (top-k and top-p: 11 ms a row at a 128k vocabulary on 2 CPU
+        cores, jaxinfer.bench_sampler)."""
         tokens, seqs = bucket_shape(outputs, self.sp)
         if any(o.prefill for o in outputs):
             tokens = next(n for n in self.prefill_sizes if n >= tokens)

@@ -149,8 +149,8 @@ class ModelRunner:
         chex.assert_shape(last, (R, S, x.shape[-1]))
         chex.assert_type(logits, jnp.float32)
         logits = ctx.constrain(logits, ("batch", None, "vocab"))  # pinned: move logits, not weights
-        # Each tp rank then samples S / tp whole rows (one all-to-all), so no rank repeats another's vocabulary
-        # sort; fewer rows than ranks are sampled whole on every rank.
+        # Each tp rank then samples S / tp whole rows (one all-to-all), so no rank repeats another's filtering
+        # and draw; fewer rows than ranks are sampled whole on every rank.
         rows = "drawn" if S % ctx.layout.axis_size("drawn") == 0 else None
         logits = ctx.constrain(logits, ("batch", rows, None)).reshape(R * S, V)
         tokens, logprobs = sample(logits, sampling, sample_positions)

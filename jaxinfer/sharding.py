@@ -25,7 +25,7 @@ Axes = tuple[str | None, ...]
 RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": ("dp", "ep"),  # each dp x ep replica serves its own requests (ep: attention data-parallel)
     "vocab": "tp",      # vocabulary-parallel embedding and LM head
-    "drawn": "tp",      # a step's sampled rows split over tp: each rank sorts its share of the vocabulary rows
+    "drawn": "tp",      # a step's sampled rows split over tp: each rank filters and draws its share
     "embed": None,      # the residual stream is replicated within a tp group
     "heads": "tp",      # column-parallel Q, row-parallel O
     "kv_heads": "tp",   # K/V heads (replicated first where tp exceeds them)

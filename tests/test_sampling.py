@@ -200,6 +200,24 @@ def test_filters_match_vllm_reference_on_random_rows():
         assert set(np.flatnonzero(np.isfinite(out[i])).tolist()) == _vllm_kept(x.astype(np.float32), k, p, m), i
 
 
+def test_filters_match_vllm_reference_on_a_wide_padded_vocabulary():
+    """Thresholds found by bisection, not a sort: exact on long rows whose padded entries are -inf."""
+    rng = np.random.default_rng(1)
+    x = (rng.normal(size=(24, 1024)) * 3).astype(np.float32)
+    x[:, 1000:] = -np.inf                                        # vocabulary rows padded for tp
+    ks, ps, ms = [0, 1, 7, 50, 999, 1024] * 4, [1.0, 0.95, 0.5, 0.05] * 6, [0.0, 0.0, 0.01, 0.2] * 6
+    params = [SamplingParams(temperature=0.7, top_k=k, top_p=p, min_p=m) for k, p, m in zip(ks, ps, ms, strict=True)]
+    s = SamplingArrays.from_params(params, len(params), list(range(len(params))))
+    out = np.asarray(filter_logits(jnp.asarray(x), s))
+    for i, (k, p, m) in enumerate(zip(ks, ps, ms, strict=True)):
+        assert set(np.flatnonzero(np.isfinite(out[i])).tolist()) == _vllm_kept(x[i] / np.float32(0.7), k, p, m), i
+
+
+def test_tokens_tied_at_a_threshold_stay_together():
+    assert _kept([3.0, 2.0, 2.0, 1.0], temperature=1.0, top_k=2) == {0, 1, 2}   # as vLLM's top-k
+    assert _kept([2.0, 1.0, 1.0, 0.0], temperature=1.0, top_p=0.6) == {0, 1, 2}  # mass above 1.0 is 0.58
+
+
 def test_top_k_1_is_argmax():
     assert set(_draws([0.5, 0.1, 2.0, 1.9, -3.0], temperature=1.5, top_k=1).tolist()) == {2}
 
