@@ -6,11 +6,11 @@ to JAX already in JAX_COMPILATION_CACHE_DIR):
 - JAX's persistent compilation cache, for every jitted program: keyed by the lowered program, so a hit
   still pays for tracing and lowering (~0.5 s a step bucket of the 125M model on CPU) before the load.
 - The engine's step executables (jaxinfer.runner), serialized under `executables/` and keyed by what
-  decides the program without tracing it: jax's version and devices, the mesh, the model's class and
-  config, the arguments' shapes and shardings, the step's static inputs, and a digest of jaxinfer's own
-  source. A hit is only XLA's load, and LLM reads the warm-up's steps back while the weights load. Only
-  architectures defined in jaxinfer itself are kept there: the source of a model registered from
-  elsewhere is not in the key, so its steps go through JAX's cache.
+  decides the program without tracing it: jax's version and devices, the host's CPU, the mesh, the
+  model's class and config, the arguments' shapes and shardings, the step's static inputs, and a digest
+  of jaxinfer's own source. A hit is only XLA's load, and LLM reads the warm-up's steps back while the
+  weights load. Only architectures defined in jaxinfer itself are kept there: the source of a model
+  registered from elsewhere is not in the key, so its steps go through JAX's cache.
 
 The cache is trusted code (executables and pickled tree structures): keep its directory private. Delete
 it at any time; entries of an older jaxinfer or jax are never read again.
@@ -18,12 +18,14 @@ it at any time; entries of an older jaxinfer or jax are never read again.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib
 import logging
 import os
 import pickle
+import platform
 import threading
 from pathlib import Path
 from typing import Any
@@ -92,12 +94,22 @@ def signature(tree: Any) -> str:
     return repr((str(treedef), [(x.shape, x.dtype.name, placement(x)) for x in leaves]))
 
 
+@functools.cache
+def host_cpu() -> str:
+    """The host's processor and its instruction-set flags: XLA:CPU code compiled for one CPU may not run on
+    another, and a cache directory can be shared between machines."""
+    flags = ""
+    with contextlib.suppress(OSError):
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
 def executable_key(*parts: Any) -> str:
-    """A digest of `parts` (their repr) with what every program depends on: jax, its devices, the
-    environment's XLA flags, jax's configuration, and jaxinfer's source."""
+    """A digest of `parts` (their repr) with what every program depends on: jax, its devices, the host's
+    CPU, the environment's XLA flags, jax's configuration, and jaxinfer's source."""
     devices = [(d.id, d.platform, d.device_kind, d.process_index) for d in jax.devices()]
     config = sorted((k, v) for k, v in jax.config.values.items() if isinstance(v, str | int | float | bool | None))
-    everything = (FORMAT, jax.__version__, jax.devices()[0].client.platform_version, devices,
+    everything = (FORMAT, jax.__version__, jax.devices()[0].client.platform_version, devices, host_cpu(),
                   os.environ.get("XLA_FLAGS", ""), config, source_digest(), *parts)
     return hashlib.sha256(repr(everything).encode()).hexdigest()
 

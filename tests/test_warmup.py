@@ -103,13 +103,16 @@ def test_a_step_executable_is_kept_under_everything_it_depends_on(llm, tmp_path,
     assert (first.loaded, again.loaded, list(tmp_path.iterdir())) == (0, 1, [stored])
     monkeypatch.setattr(compilation_cache, "source_digest", lambda: "other source")
     fresh().compile("step", batch)                                       # another jaxinfer: another key
-    assert len(list(tmp_path.iterdir())) == 2
     monkeypatch.undo()
+    monkeypatch.setattr(compilation_cache, "host_cpu", lambda: "another processor")
+    fresh().compile("step", batch)                                       # another CPU: another key
+    monkeypatch.undo()
+    assert len(list(tmp_path.iterdir())) == 3
     stored.write_bytes(b"not an executable")
     damaged = fresh()
     damaged.compile("step", batch)                                       # compiled again, and stored again
     assert damaged.loaded == 0 and "ignoring the cached executable" in caplog.text
-    assert fresh().compile("step", batch) and len(list(tmp_path.iterdir())) == 2
+    assert fresh().compile("step", batch) and len(list(tmp_path.iterdir())) == 3
     assert fresh(Registered(llm.model.cfg)).executables_dir is None
 
 
