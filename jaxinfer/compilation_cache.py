@@ -12,6 +12,11 @@ to JAX already in JAX_COMPILATION_CACHE_DIR):
   weights load. Only architectures defined in jaxinfer itself are kept there: the source of a model
   registered from elsewhere is not in the key, so its steps go through JAX's cache.
 
+Only a freshly compiled executable is stored: one that JAX read back from its own cache is not (in jax
+0.12, XLA:CPU serializes a deserialized executable without some of its functions, and the copy fails when
+run), so a step whose program is already in JAX's cache, e.g. after an edit that changed no program, keeps
+going through JAX's cache.
+
 The cache is trusted code (executables and pickled tree structures): keep its directory private. Delete
 it at any time; entries of an older jaxinfer or jax are never read again.
 """
@@ -36,8 +41,25 @@ from jax.experimental import serialize_executable
 from jaxinfer.random_model import cache_dir
 
 log = logging.getLogger("jaxinfer")
-FORMAT = 1   # of the executables' key and files
+FORMAT = 2   # of the executables' key and files (1 could hold re-serialized executables)
 PACKAGES = ("jaxinfer", "jaxinfer.models", "jaxinfer.pallas_kernels")
+
+
+_JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_hits = threading.local()
+
+
+def _count_hit(event: str, **_: Any) -> None:
+    if event == _JAX_CACHE_HIT:   # recorded in the thread that compiles
+        _hits.count = jax_cache_hits() + 1
+
+
+jax.monitoring.register_event_listener(_count_hit)
+
+
+def jax_cache_hits() -> int:
+    """Programs this thread has had from JAX's persistent cache rather than compiled."""
+    return getattr(_hits, "count", 0)
 
 
 def compilation_cache_dir() -> Path:

@@ -29,7 +29,14 @@ import numpy as np
 from flax import struct
 
 from jaxinfer.batch import StepBatch
-from jaxinfer.compilation_cache import defined_in_jaxinfer, executable_key, load_executable, save_executable, signature
+from jaxinfer.compilation_cache import (
+    defined_in_jaxinfer,
+    executable_key,
+    jax_cache_hits,
+    load_executable,
+    save_executable,
+    signature,
+)
 from jaxinfer.distributed import to_host
 from jaxinfer.kv_cache import PagedKVCache
 from jaxinfer.layers import StepContext, Weights, run_layers
@@ -229,11 +236,12 @@ class ModelRunner:
             elif stored_only:
                 return None
             else:
+                hits = jax_cache_hits()
                 with self._tracing():
                     replicated = [jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=self._replicated)
                                   for b in buffers]
                     exe = self._jitted[kind].lower(self.weights, self.state, replicated, inputs).compile()
-                if stored is not None:
+                if stored is not None and jax_cache_hits() == hits:   # only what XLA has just compiled
                     save_executable(stored, exe)
             self.executables[key] = exe
             self.compile_seconds += time.perf_counter() - t0

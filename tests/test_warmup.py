@@ -3,6 +3,7 @@ lets a fresh process load its executables instead of compiling them."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -81,6 +82,10 @@ def test_a_restart_loads_its_step_executables_and_compiles_nothing(hf_tiny, tmp_
     # read back while the weights loaded, before the first request
     assert warm["at_start"] == warm["loaded"] == warm["compiled"] == 2 and warm["tokens"] == cold["tokens"]
     assert sorted(compilation_cache_dir().rglob("*")) == entries        # nothing compiled afresh
+    shutil.rmtree(compilation_cache_dir() / "executables")
+    again = fresh_process(hf_tiny, tmp_path)   # both programs come out of JAX's cache, and are not stored:
+    assert again["loaded"] == 0 and again["tokens"] == cold["tokens"]   # XLA:CPU's copy of one would not run
+    assert not list((compilation_cache_dir() / "executables").glob("*"))
 
 
 class Registered(Llama):
