@@ -193,7 +193,7 @@ class EngineConfig:
     attention_backend: str | None = None    # "xla" or "pallas"; None: pallas on GPU where it tiles, else xla
     compilation_cache: bool = True          # compiled programs kept on disk (jaxinfer.compilation_cache)
     overlap: bool = True                    # schedule step k+1 while step k runs (jaxinfer.engine)
-    scan_layers: bool | None = None         # one lax.scan per layer stack; None: unrolled for large layers on CPU
+    scan_layers: bool | None = None         # one lax.scan per layer stack; None: not for large layers on CPU
 
     def __post_init__(self):
         def integer(name: str, value: Any, least: int) -> None:
@@ -234,9 +234,10 @@ class EngineConfig:
         g.add_argument("--no-overlap", dest="overlap", action="store_false",
                        help="wait for each step's tokens before scheduling the next (for debugging)")
         g.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=d.scan_layers,
-                       help="run the layers as a lax.scan (compile time flat in depth) or unrolled, each layer "
-                            "reading its own arrays (faster decode on CPU); default: unrolled on CPU for layers "
-                            "of more than 4 MiB of weights, else scanned")
+                       help="run the layers as a lax.scan over stacked weights (compile time flat in depth) or "
+                            "with each layer reading its own arrays (no copy of them: faster decode on CPU); "
+                            "default: arrays of their own on CPU for layers of more than 4 MiB of weights, "
+                            "else scanned")
         g.add_argument("--no-compilation-cache", dest="compilation_cache", action="store_false",
                        help="compile every bucket afresh instead of loading it from $JAXINFER_CACHE/xla")
 

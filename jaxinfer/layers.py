@@ -3,7 +3,8 @@
 A model is three stage functions (jaxinfer.models.Model): embed, one decoder layer, and the head. Its
 layer weights come as `LayerStack`s: runs of consecutive layers of one kind (a dense MLP or a mixture of
 experts), each weight stacked along a leading "layers" axis, so a run is one `lax.scan` and compile time
-stays flat in depth. A model whose layers are all alike is one stack; Qwen3-MoE with `mlp_only_layers`
+stays flat in depth (or, one array per layer, a loop that picks each layer's projections by a switch:
+`switched_layers`). A model whose layers are all alike is one stack; Qwen3-MoE with `mlp_only_layers`
 is several. This module is the one place that loops over layers; a pipeline over pp (jaxinfer.pipeline)
 regroups each stack stage by stage, and every stage runs this same loop over its own slice.
 """
@@ -11,6 +12,7 @@ regroups each stack stage by stage, and every stage runs this same loop over its
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable, Hashable, Sequence
@@ -72,12 +74,13 @@ def layer_bytes(weights: Weights, dtype) -> float:
 
 def one_stack_per_layer(weights: Weights) -> Weights:
     """Weight specs regrouped so that every layer is a stack of its own (one array per layer and weight),
-    for the unrolled layer loop (`scan_layers=False`).
+    run by `switched_layers` (`scan_layers=False`).
 
     A scan reads layer i's weights by a dynamic slice of the stacked arrays, and XLA:CPU copies that slice
     before each matmul: every decode step then writes and reads the weights once more than it needs to,
-    which triples a memory-bound step's traffic. Separate arrays are read in place; the price is a program
-    that grows with depth, so compile time does too."""
+    which triples a memory-bound step's traffic. Separate arrays are read in place; the price is a copy of
+    each layer's projections in the program (attention stays one copy), so compile time grows with depth,
+    slowly."""
     out = []
     for stack in weights.layers:
         ids = layer_ids(stack) or tuple(range(stack.size))
@@ -147,6 +150,7 @@ class StepContext:
     meta: StepMetadata
     backend: str  # attention: "xla" (the jnp reference) or "pallas" (the kernels)
     stage: jax.Array | int = 0  # the pipeline stage running these layers
+    attend: Callable | None = None  # stands in for attention (same arguments and results) where set
 
     def constrain(self, x: jax.Array, axes: Axes) -> jax.Array:
         return self.layout.constrain(x, axes)
@@ -160,6 +164,8 @@ class StepContext:
                   inv_freq: jax.Array) -> tuple[jax.Array, PagedKVCache]:
         """RoPE on q and k, k/v written into the cache, causal attention of each token over its sequence.
         q [R, N, H, D], k and v [R, N, KV, D] -> (out [R, N, H, D], cache)."""
+        if self.attend is not None:
+            return self.attend(q, k, v, cache, layer, inv_freq)
         from jaxinfer.attention import attention
 
         return attention(q, k, v, cache, layer, inv_freq, self.meta, self.layout, self.backend)
@@ -179,34 +185,91 @@ def run_layers(layer: LayerFn, stacks: tuple[LayerStack, ...], x: jax.Array, cac
                ctx: StepContext) -> tuple[jax.Array, PagedKVCache, jax.Array | None]:
     """Every stack in order, each one scan of `layer(weights, x, cache, layer index, ctx)`. A layer returns
     (x, cache, counts or None); the counts of the layers that return them come back stacked, in slot order.
-    A stage's padding slots run like any layer, but their output is discarded and their counts are zero."""
+    A stage's padding slots run like any layer, but their output is discarded and their counts are zero.
+    Runs of one-layer stacks (one_stack_per_layer) are one loop of `switched_layers`."""
     counts = []
-
-    @jax.jit
-    def one_layer(w: Any, x: jax.Array, cache: PagedKVCache, i: jax.Array, meta: StepMetadata):
-        """A layer of a one-layer stack, traced and lowered once for all such layers of its shapes (the
-        unrolled loop's program then holds one copy of the layer, called from each position)."""
-        return layer(w, x, cache, i, dataclasses.replace(ctx, meta=meta))
-
-    for stack in stacks:
-        def body(carry, xs):
-            x, cache = carry
-            w, i, real = xs
-            y, cache, aux = layer(w, x, cache, i, ctx)
-            if real is not None:
-                y = jnp.where(real, y, x)
-                aux = None if aux is None else aux * real
-            return (y, cache), aux
-
-        ids = jnp.arange(stack.first, stack.first + stack.size, dtype=jnp.int32)
-        real = (jnp.asarray([[i is not None for i in s] for s in stack.stages])[ctx.stage] if stack.padded
-                else None)
-        if stack.size == 1 and stack.stages is None:   # no loop: the layer reads its weights where they are
-            w = jax.tree.map(lambda a: a[0], stack.weights)               # (see one_stack_per_layer)
-            x, cache, aux = one_layer(w, x, cache, ids[0], ctx.meta)
-            aux = None if aux is None else aux[None]
+    for run in _runs(stacks):
+        if run[0].size == 1 and run[0].stages is None:
+            x, cache, aux = switched_layers(layer, run, x, cache, ctx)
         else:
-            (x, cache), aux = jax.lax.scan(body, (x, cache), (stack.weights, ids, real))
+            (stack,) = run
+            x, cache, aux = _scanned(layer, stack, x, cache, ctx)
         if aux is not None:
             counts.append(aux)
     return x, cache, jnp.concatenate(counts) if counts else None
+
+
+def _runs(stacks: tuple[LayerStack, ...]) -> list[list[LayerStack]]:
+    """Consecutive one-layer stacks of one weight structure together; every other stack alone."""
+    def kind(stack: LayerStack):
+        if stack.size != 1 or stack.stages is not None:
+            return id(stack)
+        return jax.tree.structure(stack.weights), tuple((a.shape, a.dtype) for a in jax.tree.leaves(stack.weights))
+    return [list(run) for _, run in itertools.groupby(stacks, key=kind)]
+
+
+def _scanned(layer: LayerFn, stack: LayerStack, x: jax.Array, cache: PagedKVCache, ctx: StepContext):
+    def body(carry, xs):
+        x, cache = carry
+        w, i, real = xs
+        y, cache, aux = layer(w, x, cache, i, ctx)
+        if real is not None:
+            y = jnp.where(real, y, x)
+            aux = None if aux is None else aux * real
+        return (y, cache), aux
+
+    ids = jnp.arange(stack.first, stack.first + stack.size, dtype=jnp.int32)
+    real = jnp.asarray([[i is not None for i in s] for s in stack.stages])[ctx.stage] if stack.padded else None
+    (x, cache), aux = jax.lax.scan(body, (x, cache), (stack.weights, ids, real))
+    return x, cache, aux
+
+
+class _Attending(Exception):
+    """Ends the first half of a layer at its attention call, with the call's arguments."""
+
+
+def switched_layers(layer: LayerFn, stacks: list[LayerStack], x: jax.Array, cache: PagedKVCache,
+                    ctx: StepContext) -> tuple[jax.Array, PagedKVCache, jax.Array | None]:
+    """Layers that each hold their own arrays, as one loop whose body runs layer i's projections by a
+    `lax.switch` over the layers and attention once, for all of them.
+
+    Each branch reads its layer's weights where they lie (a scan's slice of stacked weights is copied
+    first on XLA:CPU, see one_stack_per_layer), while attention, whose kernels are most of a step's
+    compile time on CPU, is compiled once rather than once per layer. A layer is split at its call to
+    ctx.attention (which it makes exactly once): the part before it, traced up to that call, and the part
+    after it, traced with the attention's output given (what precedes the call there is unused, and
+    XLA drops it)."""
+    weights = [jax.tree.map(lambda a: a[0], s.weights) for s in stacks]
+
+    def before(w: Any, x: jax.Array, i: jax.Array):
+        def stop(*args):
+            raise _Attending(args)
+        try:
+            layer(w, x, cache, i, dataclasses.replace(ctx, attend=stop))
+        except _Attending as call:
+            q, k, v, _, index, inv_freq = call.args[0]
+            return q, k, v, index, inv_freq
+        raise ValueError("a layer must call ctx.attention once; this one did not call it")
+
+    def after(w: Any, x: jax.Array, i: jax.Array, out: jax.Array):
+        calls = []
+
+        def give(q, k, v, cache, index, inv_freq):
+            calls.append(None)
+            return out, cache
+        y, _, aux = layer(w, x, cache, i, dataclasses.replace(ctx, attend=give))
+        if len(calls) != 1:
+            raise ValueError(f"a layer must call ctx.attention once; this one called it {len(calls)} times")
+        return y, aux
+
+    def body(carry, i):
+        x, cache = carry
+        j = i - stacks[0].first
+        q, k, v, index, inv_freq = jax.lax.switch(j, [functools.partial(before, w) for w in weights], x, i)
+        out, cache = ctx.attention(q, k, v, cache, index, inv_freq)
+        x, aux = jax.lax.switch(j, [functools.partial(after, w) for w in weights], x, i, out)
+        return (x, cache), aux
+
+    ids = jnp.arange(stacks[0].first, stacks[0].first + len(stacks), dtype=jnp.int32)
+    (x, cache), aux = jax.lax.scan(body, (x, cache), ids)
+    return x, cache, aux

@@ -9,7 +9,6 @@ engine tok/s / floor tok/s is the engine's efficiency.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 
@@ -24,13 +23,10 @@ from jaxinfer.layers import StepContext, run_layers
 from jaxinfer.scheduler import ScheduledSequence, SchedulerOutput
 
 
-@dataclasses.dataclass(frozen=True)
-class WithoutAttention(StepContext):
-    """Attention returns its queries and leaves the cache alone: the layer's matmuls without attention."""
-
-    def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, layer: jax.Array,
-                  inv_freq: jax.Array) -> tuple[jax.Array, PagedKVCache]:
-        return q, cache
+def queries_only(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, layer: jax.Array,
+                 inv_freq: jax.Array) -> tuple[jax.Array, PagedKVCache]:
+    """Attention that returns its queries and leaves the cache alone: a layer's matmuls without attention."""
+    return q, cache
 
 
 def decode_floor(engine: Engine, batch: int, steps: int = 32) -> Callable[[], float] | None:
@@ -50,10 +46,15 @@ def decode_floor(engine: Engine, batch: int, steps: int = 32) -> Callable[[], fl
 
     @jax.jit
     def forward(weights, cache, tokens, meta):
-        ctx = WithoutAttention(engine.layout, meta, runner.backend)
+        ctx = StepContext(engine.layout, meta, runner.backend, attend=queries_only)
         x = runner.model.embed(weights.embed, tokens, ctx)
         cache = jax.tree.map(lambda pool: pool[:, :, :0], cache)   # unread here; a full pool carried through
-        x, _, _ = run_layers(runner.model.layer, weights.layers, x, cache, ctx)   # the scan would be copied
+        for stack in weights.layers:   # one-layer stacks in turn, unrolled; a stack of several is scanned
+            if stack.size == 1:
+                w = jax.tree.map(lambda a: a[0], stack.weights)
+                x, cache, _ = runner.model.layer(w, x, cache, jnp.int32(stack.first), ctx)
+            else:
+                x, cache, _ = run_layers(runner.model.layer, (stack,), x, cache, ctx)
         return jnp.argmax(runner.model.head(weights.head, x, ctx), axis=-1).astype(jnp.int32)
 
     out = forward(runner.weights, runner.cache, tokens, meta)

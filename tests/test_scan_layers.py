@@ -1,13 +1,19 @@
-"""The layer loop two ways: one lax.scan per layer stack, or unrolled over one array per layer and weight
-(jaxinfer.layers.one_stack_per_layer; the default on CPU for large layers). Same logits, same tokens."""
+"""The layer loop two ways: one lax.scan per layer stack, or over one array per layer and weight
+(jaxinfer.layers.one_stack_per_layer and switched_layers; the default on CPU for large layers). Same
+logits, same tokens."""
+
+import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.layers import UNROLL_LAYER_BYTES, layer_bytes
+from jaxinfer.batch import pack
+from jaxinfer.layers import UNROLL_LAYER_BYTES, LayerStack, StepContext, layer_bytes, run_layers
 from jaxinfer.random_model import DEFAULT
+from jaxinfer.scheduler import SchedulerOutput
 
 
 @pytest.mark.parametrize("name, mesh", [("llama", "tp=2"), ("qwen3_moe", "ep=2")])
@@ -52,3 +58,43 @@ def test_default_unrolls_only_layers_larger_than_the_caches(hf_tiny):
     assert [s.size for s in big.weights.layers] == ([1, 1] if cpu else [2])
     for llm in (small, big):
         llm.close()
+
+
+def weight_shaped_arrays(llm: LLM) -> list[str]:
+    """Arrays of a layer weight's shape that a decode step's optimized program makes: copies of weights."""
+    engine = llm.engine
+    batch = pack([SchedulerOutput([])], engine.config.page_size, engine.pages_per_replica, engine.table_width, (2, 2))
+    program = engine.runner.compile("step", batch).as_text()
+    shapes = {",".join(map(str, a.shape[1:])) for s in llm.weights.layers for a in jax.tree.leaves(s.weights)
+              if a.ndim > 2}
+    made = re.findall(r"= f32\[([\d,]+)\]\{[^}]*\} (?:copy|dynamic-slice|fusion|gather)\(", program)
+    return [shape for shape in made if shape in shapes]
+
+
+def test_layers_of_their_own_read_their_weights_in_place(hf_tiny):
+    """The scan copies (some of) a layer's weights out of the stack; one array per layer needs no copy."""
+    copies = {}
+    for scan in (True, False):
+        llm = LLM(hf_tiny / "llama", dtype="float32", num_pages=8, scan_layers=scan)
+        copies[scan] = weight_shaped_arrays(llm)
+        llm.close()
+    assert copies[True] and not copies[False]
+
+
+def test_a_layer_must_call_attention_once():
+    stacks = tuple(LayerStack({"w": jnp.ones((1, 4, 4))}, first=i) for i in range(2))
+    ctx = StepContext(None, None, "xla", attend=lambda q, k, v, cache, layer, inv_freq: (q, cache))
+
+    def layer(calls):
+        def run(w, x, cache, i, ctx):
+            for _ in range(calls):
+                x, cache = ctx.attention(x @ w["w"], x, x, cache, i, None)
+            return x, cache, None
+        return run
+
+    x = jnp.ones((3, 4))
+    out, _, _ = run_layers(layer(1), stacks, x, None, ctx)
+    np.testing.assert_allclose(out, x @ np.ones((4, 4)) @ np.ones((4, 4)))
+    for calls, said in ((0, "did not call it"), (2, "called it 2 times")):
+        with pytest.raises(ValueError, match=f"a layer must call ctx.attention once; this one {said}"):
+            run_layers(layer(calls), stacks, x, None, ctx)
