@@ -241,7 +241,7 @@ def switched_layers(layer: LayerFn, stacks: list[LayerStack], x: jax.Array, cach
     XLA drops it)."""
     weights = [jax.tree.map(lambda a: a[0], s.weights) for s in stacks]
 
-    def before(w: Any, x: jax.Array, i: jax.Array):
+    def before(w: Any, cache: PagedKVCache, x: jax.Array, i: jax.Array):
         def stop(*args):
             raise _Attending(args)
         try:
@@ -251,7 +251,7 @@ def switched_layers(layer: LayerFn, stacks: list[LayerStack], x: jax.Array, cach
             return q, k, v, index, inv_freq
         raise ValueError("a layer must call ctx.attention once; this one did not call it")
 
-    def after(w: Any, x: jax.Array, i: jax.Array, out: jax.Array):
+    def after(w: Any, cache: PagedKVCache, x: jax.Array, i: jax.Array, out: jax.Array):
         calls = []
 
         def give(q, k, v, cache, index, inv_freq):
@@ -265,9 +265,10 @@ def switched_layers(layer: LayerFn, stacks: list[LayerStack], x: jax.Array, cach
     def body(carry, i):
         x, cache = carry
         j = i - stacks[0].first
-        q, k, v, index, inv_freq = jax.lax.switch(j, [functools.partial(before, w) for w in weights], x, i)
+        # the cache is closed over, not an operand: a layer only hands it to attention, so no branch uses it
+        q, k, v, index, inv_freq = jax.lax.switch(j, [functools.partial(before, w, cache) for w in weights], x, i)
         out, cache = ctx.attention(q, k, v, cache, index, inv_freq)
-        x, aux = jax.lax.switch(j, [functools.partial(after, w) for w in weights], x, i, out)
+        x, aux = jax.lax.switch(j, [functools.partial(after, w, cache) for w in weights], x, i, out)
         return (x, cache), aux
 
     ids = jnp.arange(stacks[0].first, stacks[0].first + len(stacks), dtype=jnp.int32)
