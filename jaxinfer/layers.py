@@ -224,6 +224,20 @@ def _scanned(layer: LayerFn, stack: LayerStack, x: jax.Array, cache: PagedKVCach
     return x, cache, aux
 
 
+def unrolled_layers(layer: LayerFn, stacks: tuple[LayerStack, ...], x: jax.Array,
+                    cache: PagedKVCache, ctx: StepContext) -> tuple[jax.Array, PagedKVCache]:
+    """The plainest program of the layers, for the XLA floor (jaxinfer.xla_floor): one-layer stacks
+    straight-line, one after another (a stack of several scanned). Its compile time grows with depth,
+    attention and all, which is why the engine runs such layers as `switched_layers` instead."""
+    for stack in stacks:
+        if stack.size == 1 and stack.stages is None:
+            w = jax.tree.map(lambda a: a[0], stack.weights)
+            x, cache, _ = layer(w, x, cache, jnp.int32(stack.first), ctx)
+        else:
+            x, cache, _ = _scanned(layer, stack, x, cache, ctx)
+    return x, cache
+
+
 class _Attending(Exception):
     """Ends the first half of a layer at its attention call, with the call's arguments."""
 

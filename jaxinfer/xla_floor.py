@@ -19,7 +19,7 @@ import numpy as np
 from jaxinfer.batch import GREEDY, pack
 from jaxinfer.engine import Engine
 from jaxinfer.kv_cache import PagedKVCache
-from jaxinfer.layers import StepContext, run_layers
+from jaxinfer.layers import StepContext, unrolled_layers
 from jaxinfer.scheduler import ScheduledSequence, SchedulerOutput
 
 
@@ -49,12 +49,7 @@ def decode_floor(engine: Engine, batch: int, steps: int = 32) -> Callable[[], fl
         ctx = StepContext(engine.layout, meta, runner.backend, attend=queries_only)
         x = runner.model.embed(weights.embed, tokens, ctx)
         cache = jax.tree.map(lambda pool: pool[:, :, :0], cache)   # unread here; a full pool carried through
-        for stack in weights.layers:   # one-layer stacks in turn, unrolled; a stack of several is scanned
-            if stack.size == 1:
-                w = jax.tree.map(lambda a: a[0], stack.weights)
-                x, cache, _ = runner.model.layer(w, x, cache, jnp.int32(stack.first), ctx)
-            else:
-                x, cache, _ = run_layers(runner.model.layer, (stack,), x, cache, ctx)
+        x, _ = unrolled_layers(runner.model.layer, weights.layers, x, cache, ctx)
         return jnp.argmax(runner.model.head(weights.head, x, ctx), axis=-1).astype(jnp.int32)
 
     out = forward(runner.weights, runner.cache, tokens, meta)
