@@ -5,13 +5,16 @@
 
 For random float32 logits it times (best of a few calls, compiled beforehand): greedy rows; temperature
 alone (no filter: a division); temperature with top-k 50 and top-p 0.9 (the filters' thresholds by
-bisection, then the draw); the filters alone; and, for scale, a full descending sort of the same rows,
-which is what a sort-based top-p/top-k costs before anything else.
+bisection, then the draw), in one pass over the rows and row by row (the CPU's way); one such row among
+greedy padding rows (a lone prompt in a prompt step's slots), both ways; the filters alone; and, for
+scale, a full descending sort of the same rows, which is what a sort-based top-p/top-k costs before
+anything else.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -40,9 +43,15 @@ def measure(batch: int, vocab: int) -> dict:
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(batch, vocab)) * 3, jnp.float32)
     positions = jnp.arange(batch, dtype=jnp.int32)
     out = {"batch": batch, "vocab": vocab}
+    one_pass, by_row = jax.jit(sample), jax.jit(functools.partial(sample, row_by_row=True))
     for name, params in CASES.items():
         arrays = SamplingArrays.from_params([params] * batch, batch, list(range(batch)))
-        out[f"{name}_ms"] = best_ms(jax.jit(sample), logits, arrays, positions)
+        out[f"{name}_ms"] = best_ms(one_pass, logits, arrays, positions)
+    filtering = SamplingArrays.from_params([CASES["top_k_top_p"]] * batch, batch, list(range(batch)))
+    out["top_k_top_p_by_row_ms"] = best_ms(by_row, logits, filtering, positions)
+    lone = SamplingArrays.from_params([CASES["top_k_top_p"]], batch, [0])   # the other rows: greedy padding
+    out["one_drawing_ms"] = best_ms(one_pass, logits, lone, positions)
+    out["one_drawing_by_row_ms"] = best_ms(by_row, logits, lone, positions)
     filtered = SamplingArrays.from_params([CASES["top_k_top_p"]] * batch, batch, list(range(batch)))
     out["filters_ms"] = best_ms(jax.jit(filter_logits), logits, filtered)
     out["full_sort_ms"] = best_ms(jax.jit(lambda x: -jnp.sort(-x, axis=-1)), logits)
@@ -67,10 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rows))
         return 0
-    print(f"{'batch':>5} {'vocab':>7} {'greedy':>8} {'temp':>8} {'top-k/p':>9} {'filters':>9} {'full sort':>10}  (ms)")
+    print(f"{'batch':>5} {'vocab':>7} {'greedy':>8} {'temp':>8} {'top-k/p':>9} {'by row':>8} {'1 drawing':>10} "
+          f"{'by row':>8} {'filters':>9} {'full sort':>10}  (ms)")
     for r in rows:
         print(f"{r['batch']:5d} {r['vocab']:7d} {r['greedy_ms']:8.2f} {r['temperature_ms']:8.2f} "
-              f"{r['top_k_top_p_ms']:9.2f} {r['filters_ms']:9.2f} {r['full_sort_ms']:10.2f}")
+              f"{r['top_k_top_p_ms']:9.2f} {r['top_k_top_p_by_row_ms']:8.2f} {r['one_drawing_ms']:10.2f} "
+              f"{r['one_drawing_by_row_ms']:8.2f} {r['filters_ms']:9.2f} {r['full_sort_ms']:10.2f}")
     return 0
 
 

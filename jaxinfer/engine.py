@@ -260,15 +260,14 @@ class Engine:
 
     def step_shape(self, outputs: list[SchedulerOutput]) -> tuple[int, int]:
         """The step's bucket (batch.bucket_shape), except that a step with prompt tokens takes the next of a
-        few prefill sizes (prefill_sizes) and, unless it holds one sequence, as many sequence slots as it may
-        hold (its tokens, at most max_seqs): prompt steps are compute-bound, so padding costs less than a
-        compile, and the warm-up's few programs serve every prompt (jaxinfer.warmup). A lone prompt keeps
-        its one slot: the sampler costs per slot (top-k and top-p: 11 ms a row at a 128k vocabulary on 2 CPU
-        cores, jaxinfer.bench_sampler)."""
+        few prefill sizes (prefill_sizes) and as many sequence slots as it may hold (its tokens, at most
+        max_seqs): prompt steps are compute-bound, so padding costs less than a compile, and the warm-up's
+        few programs serve every prompt (jaxinfer.warmup). Empty slots cost the head a row each and the
+        sampler nothing on CPU (it draws row by row, jaxinfer.sampling.sample)."""
         tokens, seqs = bucket_shape(outputs, self.sp)
         if any(o.prefill for o in outputs):
             tokens = next(n for n in self.prefill_sizes if n >= tokens)
-            seqs = 1 if seqs == 1 else min(tokens, self.max_seqs)
+            seqs = min(tokens, self.max_seqs)
         return tokens, seqs
 
     def _hand_out(self, step: Dispatched) -> list[Request]:

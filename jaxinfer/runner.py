@@ -152,16 +152,25 @@ class ModelRunner:
         and its log-probabilities [R, S, 1 + 2K] (jaxinfer.sampling.sample)."""
         last = jnp.take_along_axis(x, logits_index[..., None], axis=1)               # per-row gather
         logits = self._real_vocab(self.model.head(head, last, ctx))                 # [R, S, V]
-        R, S, V = logits.shape
+        R, S, _ = logits.shape
         chex.assert_shape(last, (R, S, x.shape[-1]))
         chex.assert_type(logits, jnp.float32)
         logits = ctx.constrain(logits, ("batch", None, "vocab"))  # pinned: move logits, not weights
         # Each tp rank then samples S / tp whole rows (one all-to-all), so no rank repeats another's filtering
-        # and draw; fewer rows than ranks are sampled whole on every rank.
-        rows = "drawn" if S % ctx.layout.axis_size("drawn") == 0 else None
-        logits = ctx.constrain(logits, ("batch", rows, None)).reshape(R * S, V)
-        tokens, logprobs = sample(logits, sampling, sample_positions)
-        return tokens.reshape(R, S), logprobs.reshape(R, S, -1)
+        # and draw; fewer rows than ranks are sampled whole on every rank. On CPU rows that draw go one at a
+        # time (jaxinfer.sampling.sample), so padding slots cost nothing.
+        rows = ("batch", "drawn" if S % ctx.layout.axis_size("drawn") == 0 else None)
+        row_by_row = ctx.layout.mesh.devices.flat[0].platform == "cpu"
+
+        def local(logits, sampling, positions):
+            r, s, v = logits.shape
+            tokens, logprobs = sample(logits.reshape(r * s, v), jax.tree.map(lambda a: a.reshape(r * s), sampling),
+                                      positions.reshape(r * s), row_by_row)
+            return tokens.reshape(r, s), logprobs.reshape(r, s, -1)
+
+        per_row = lambda a: a.reshape(R, S)  # noqa: E731
+        return ctx.layout.shard_map(local, in_axes=((*rows, None), rows, rows), out_axes=(rows, (*rows, None)),
+                                    check_vma=False)(logits, jax.tree.map(per_row, sampling), per_row(sample_positions))
 
     def _logits(self, head: Any, x: jax.Array, ctx: StepContext) -> jax.Array:
         """float32 logits [R, N, V] of every token."""

@@ -84,42 +84,53 @@ class SamplingArrays:
     top_p: jax.Array        # float32 [B]
     min_p: jax.Array        # float32 [B]
     seed: jax.Array         # uint32 [B]
-    all_greedy: jax.Array   # bool [], known on the host: lets the sampler skip the filters without a collective
-    filtered: jax.Array     # bool []: a sampled row has top-k, top-p or min-p on (else no row is filtered)
     top_logprobs: int = struct.field(pytree_node=False, default=0)  # alternatives computed per row: 0 or MAX
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], batch: int, seeds: list[int]) -> SamplingArrays:
         pad = batch - len(params)
         col = lambda f, dt, fill: np.array([f(p) for p in params] + [fill] * pad, dt)  # noqa: E731
-        temperature = col(lambda p: p.temperature, np.float32, 0.0)
-        top_k, top_p = col(lambda p: max(p.top_k, 0), np.int32, 0), col(lambda p: p.top_p, np.float32, 1.0)
-        min_p = col(lambda p: p.min_p, np.float32, 0.0)
-        sampled = temperature >= np.float32(GREEDY_BELOW)  # in float32, as the device compares
-        return cls(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                   seed=np.array(list(seeds) + [0] * pad, np.uint32),
-                   all_greedy=np.array(not sampled.any()),
-                   filtered=np.array(bool((sampled & ((top_k > 0) | (top_p < 1) | (min_p > 0))).any())),
+        return cls(temperature=col(lambda p: p.temperature, np.float32, 0.0),
+                   top_k=col(lambda p: max(p.top_k, 0), np.int32, 0), top_p=col(lambda p: p.top_p, np.float32, 1.0),
+                   min_p=col(lambda p: p.min_p, np.float32, 0.0), seed=np.array(list(seeds) + [0] * pad, np.uint32),
                    top_logprobs=MAX_LOGPROBS if any(p.logprobs for p in params) else 0)
 
 
-def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array,
+           row_by_row: bool = False) -> tuple[jax.Array, jax.Array]:
     """Next token per row from float32 logits [B, V], and its log-probabilities: float32 [B, 1 + 2K], the
     drawn token's, then the ids and log-probabilities of the K = s.top_logprobs most likely tokens.
 
     The key of row b is (seed, position), so a request samples the same tokens whatever else shares its
     batch. Log-probabilities are those of the distribution the token was drawn from: after temperature
     and the filters (a filtered token has -inf), the model's own for a greedy row.
+
+    Greedy rows (padding included) take the argmax; the rows that draw are filtered and drawn in passes
+    over them alone: all in one pass, or one row a pass with `row_by_row` (on CPU a row costs the same alone
+    as among others, jaxinfer.bench_sampler, so a step's sampling then costs what its drawing rows need,
+    not its slots). A pass whose rows have no top-k, top-p or min-p on only divides by the temperature.
     """
-    greedy_rows = (s.temperature < GREEDY_BELOW)[:, None]
-    # The filters cost more than the argmax by far: skip them when every row is greedy, and when no sampled
-    # row has a filter on (then filtering is a division by the temperature).
-    scaled = lambda: logits / jnp.where(greedy_rows, 1.0, s.temperature[:, None])  # noqa: E731
-    x = jax.lax.cond(s.all_greedy, lambda: logits, lambda: jnp.where(
-        greedy_rows, logits, jax.lax.cond(s.filtered, lambda: filter_logits(logits, s), scaled)))
+    B = logits.shape[0]
+    per_pass = 1 if row_by_row else B
+    greedy_rows = s.temperature < GREEDY_BELOW
+    drawing = B - greedy_rows.sum(dtype=jnp.int32)
+    order = jnp.argsort(greedy_rows, stable=True)                   # the rows that draw first
+
+    def one_pass(i, carry):
+        x, tokens = carry
+        rows = jax.lax.dynamic_slice_in_dim(order, i * per_pass, per_pass)
+        live = i * per_pass + jnp.arange(per_pass) < drawing        # a greedy row in a pass keeps its argmax
+        part = jax.tree.map(lambda a: jnp.asarray(a)[rows], s)
+        temperature = jnp.where(live, part.temperature, 1.0)[:, None]
+        filters = live & ((part.top_k > 0) | (part.top_p < 1) | (part.min_p > 0))
+        y = jax.lax.cond(filters.any(), lambda: filter_logits(logits[rows], part),
+                         lambda: logits[rows] / temperature)
+        y = jnp.where(live[:, None], y, logits[rows])
+        drawn = jnp.where(live, _draw(y, part, positions[rows]), tokens[rows])
+        return x.at[rows].set(y), tokens.at[rows].set(drawn)
+
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    tokens = jax.lax.cond(s.all_greedy, lambda: greedy,
-                          lambda: jnp.where(greedy_rows[:, 0], greedy, _draw(x, s, positions)))
+    x, tokens = jax.lax.fori_loop(0, (drawing + per_pass - 1) // per_pass, one_pass, (logits, greedy))
     logprobs = jax.nn.log_softmax(x, axis=-1)
     drawn = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)
     if not s.top_logprobs:

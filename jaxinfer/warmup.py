@@ -5,9 +5,8 @@ a power of two, and log-probabilities on or off (page tables are one width per e
 Every combination is dozens of executables (seconds each on CPU), so the warm-up compiles the ones serving
 hits:
 - decode steps: S running sequences of one token each (N = S), S = 1, 2, 4 .. max_num_seqs;
-- prompt steps: N = the token budget, a quarter of it, .. down to 16 (engine.prefill_sizes), each with one
-  sequence slot (a lone prompt) or as many as it may hold (Engine.step_shape): every step with prompt
-  tokens takes one of these.
+- prompt steps: N = the token budget, a quarter of it, .. down to 16 (engine.prefill_sizes), each with as
+  many sequence slots as it may hold (Engine.step_shape): every step with prompt tokens takes one of these.
 Greedy and sampled requests share these (sampling is data, not shape). Not covered, compiled on first use:
 requests asking for log-probabilities, scoring (LLM.logits), and pipeline parallel (pp > 1), whose steps
 carry the microbatches in flight.
@@ -42,7 +41,7 @@ def powers_of_two(upto: int) -> list[int]:
 def warmup_shapes(engine: Engine) -> list[Shape]:
     """The buckets the warm-up compiles (see the module docstring), rounded as jaxinfer.batch rounds them."""
     decode = [(token_bucket(s, engine.sp), s, False) for s in powers_of_two(engine.max_seqs)]
-    prefill = [(n, s, engine.sp > 1) for n in engine.prefill_sizes for s in (1, min(n, engine.max_seqs))]
+    prefill = [(n, min(n, engine.max_seqs), engine.sp > 1) for n in engine.prefill_sizes]
     return list(dict.fromkeys([*decode, *prefill]))
 
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.sampling import GREEDY_BELOW, SamplingArrays, SamplingParams
+from jaxinfer.sampling import GREEDY_BELOW, MAX_LOGPROBS, SamplingArrays, SamplingParams
 from jaxinfer.sampling import filter_logits as _filter_logits
 from jaxinfer.sampling import sample as _sample
 
@@ -99,36 +99,33 @@ def test_greedy_below_is_vllms_eps():
 @pytest.mark.parametrize("temperature", [0.0, 1e-38, 1e-6])
 def test_tiny_temperature_is_greedy(temperature):
     s = _arrays(64, temperature=temperature)
-    assert bool(s.all_greedy)
     out = draw(jnp.tile(jnp.asarray([1.0, 3.0, 2.0, -1.0]), (64, 1)), s, jnp.arange(64))
     assert np.asarray(out).tolist() == [1] * 64
 
 
 @pytest.mark.parametrize("temperature", [1e-38, 1e-37, 1e-6])
 def test_tiny_temperature_row_is_greedy_in_a_sampled_batch(temperature):
-    # all_greedy is off (the odd rows sample), so the per-row choice must send the even rows to the argmax;
-    # 300 / 1e-37 overflows to inf, which made the old sampler draw token 0
+    # the odd rows draw, so the per-row choice must send the even rows to the argmax; 300 / 1e-37 overflows
+    # to inf, which made the old sampler draw token 0
     logits = jnp.asarray([[100.0, 300.0, 200.0, -100.0], [0.0, 0.0, 0.0, 0.0]] * 16)
     params = [SamplingParams(temperature=temperature), SamplingParams(temperature=1.0)] * 16
     s = SamplingArrays.from_params(params, 32, list(range(32)))
-    assert not bool(s.all_greedy)
     out = np.asarray(draw(logits, s, jnp.arange(32)))
     assert out[0::2].tolist() == [1] * 16 and len(set(out[1::2].tolist())) > 1
 
 
 def test_temperature_above_threshold_still_samples():
-    s = _arrays(4, temperature=1e-4)
-    assert not bool(s.all_greedy)
     # logits 5e-5 apart become 0.5 apart at temperature 1e-4: both tokens must come up
     draws = _draws([0.0, 5e-5], temperature=1e-4)
     assert set(draws.tolist()) == {0, 1}
 
 
-def test_padding_rows_do_not_break_all_greedy():
+def test_padding_rows_are_greedy_and_unfiltered():
     s = SamplingArrays.from_params([SamplingParams(temperature=0)], 4, [9])
-    assert bool(s.all_greedy) and s.temperature.tolist() == [0.0] * 4 and s.seed.tolist() == [9, 0, 0, 0]
+    assert s.temperature.tolist() == [0.0] * 4 and s.seed.tolist() == [9, 0, 0, 0]
     s = SamplingArrays.from_params([SamplingParams(temperature=0.5, top_k=-1)], 2, [2**32 - 1])
-    assert not bool(s.all_greedy) and s.top_k.tolist() == [0, 0] and s.seed.tolist() == [2**32 - 1, 0]
+    assert s.temperature.tolist() == [0.5, 0.0] and s.top_k.tolist() == [0, 0] and s.seed.tolist() == [2**32 - 1, 0]
+    assert s.top_p.tolist() == [1.0, 1.0] and s.min_p.tolist() == [0.0, 0.0]
 
 
 def test_min_p_applies_before_top_p():
@@ -262,19 +259,40 @@ def test_sample_runs_eagerly():
     assert logprobs.shape == (3, 1) and bool(jnp.isfinite(logprobs).all())   # the drawn tokens: finite
 
 
-def test_temperature_without_filters_skips_the_sort_and_draws_the_same_tokens():
-    """With no top-k, top-p or min-p on any sampled row the sampler only divides by the temperature; the
-    tokens and log-probabilities are those the sorting path gives for the same seeds."""
+def test_temperature_without_filters_skips_the_filters_and_draws_the_same_tokens():
+    """With no top-k, top-p or min-p on a row the sampler only divides by the temperature; the tokens and
+    log-probabilities are those the filters (all off) give for the same seeds."""
     logits = jax.random.normal(jax.random.key(0), (32, 384)) * 3
     params = [SamplingParams(temperature=t) for t in (0.3, 0.7, 1.0, 1.6)] * 7 + [SamplingParams(temperature=0)] * 4
     s = SamplingArrays.from_params(params, 32, list(range(100, 132)))
-    assert not bool(s.filtered) and not bool(s.all_greedy)
-    sorted_path = s.replace(filtered=np.array(True))
+    x = jnp.where((s.temperature > 0)[:, None], filter_logits(logits, s), logits)
     for step in range(3):
         positions = jnp.arange(32) + 7 * step
-        fast, slow = sample(logits, s, positions), sample(logits, sorted_path, positions)
-        np.testing.assert_array_equal(fast[0], slow[0])
-        np.testing.assert_allclose(fast[1], slow[1], rtol=1e-6, atol=1e-6)
-    assert bool(SamplingArrays.from_params(params[:1] + [SamplingParams(temperature=0.5, top_p=0.9)], 2,
-                                           [1, 2]).filtered)
-    assert not bool(SamplingArrays.from_params([SamplingParams(temperature=0, top_k=5)], 2, [1]).filtered)
+        tokens, logprobs = sample(logits, s, positions)
+        keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.key(seed), pos))(s.seed, positions)
+        drawn = np.where(s.temperature > 0, jax.vmap(jax.random.categorical)(keys, x), np.argmax(logits, -1))
+        np.testing.assert_array_equal(tokens, drawn)
+        expected = jnp.take_along_axis(jax.nn.log_softmax(x), jnp.asarray(drawn)[:, None], -1)
+        np.testing.assert_allclose(logprobs, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("top_logprobs", [None, 3])
+def test_row_by_row_draws_what_one_pass_draws(top_logprobs):
+    """Rows drawn one at a time (the CPU's way) give the tokens and log-probabilities of one pass over
+    them all, greedy rows, filters and padding mixed."""
+    rng = np.random.default_rng(5)
+    logits = jnp.asarray(rng.normal(size=(8, 300)) * 3, jnp.float32)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, logprobs=top_logprobs),
+              SamplingParams(temperature=0, top_k=4), SamplingParams(temperature=1.3),
+              SamplingParams(temperature=0.6, min_p=0.05), SamplingParams(temperature=0),
+              SamplingParams(temperature=1.0, top_k=1)]
+    s = SamplingArrays.from_params(params, 8, [1, 2, 3, 4, 5, 6])
+    positions = jnp.arange(8, dtype=jnp.int32) * 3
+    one_pass = sample(logits, s, positions)
+    by_row = jax.jit(_sample, static_argnums=3)(logits, s, positions, True)
+    np.testing.assert_array_equal(by_row[0], one_pass[0])
+    np.testing.assert_allclose(by_row[1], one_pass[1], rtol=1e-6, atol=1e-6)
+    tokens = np.asarray(by_row[0])
+    greedy = np.argmax(np.asarray(logits), -1)
+    assert tokens[[1, 4, 5, 6, 7]].tolist() == greedy[[1, 4, 5, 6, 7]].tolist()   # greedy, top-k 1, padding
+    assert by_row[1].shape == (8, 1 + 2 * (MAX_LOGPROBS if top_logprobs else 0))
