@@ -130,7 +130,10 @@ def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array,
         return x.at[rows].set(y), tokens.at[rows].set(drawn)
 
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    x, tokens = jax.lax.fori_loop(0, (drawing + per_pass - 1) // per_pass, one_pass, (logits, greedy))
+    if row_by_row:
+        x, tokens = jax.lax.fori_loop(0, drawing, one_pass, (logits, greedy))
+    else:   # a cond, not a loop of one: XLA:CPU made that loop cost 4x the argmax even with no row drawing
+        x, tokens = jax.lax.cond(drawing > 0, one_pass, lambda _, carry: carry, 0, (logits, greedy))
     logprobs = jax.nn.log_softmax(x, axis=-1)
     drawn = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)
     if not s.top_logprobs:
