@@ -12,8 +12,8 @@ requests asking for log-probabilities, scoring (LLM.logits), and pipeline parall
 carry the microbatches in flight.
 
 Buckets are compiled by a few threads at once: tracing holds Python's lock, but XLA compiles (and loads
-cached executables, jaxinfer.compilation_cache) outside it (11 buckets of the 125M model read back from
-the cache on 2 cores: 5.4 s in one thread, 3.1 s in four).
+cached executables, jaxinfer.compilation_cache) outside it (the 125M model's buckets, 11 at the
+time, read back from the cache on 2 cores: 5.4 s in one thread, 3.1 s in four).
 """
 
 from __future__ import annotations
