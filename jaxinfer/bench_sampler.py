@@ -52,8 +52,7 @@ def measure(batch: int, vocab: int) -> dict:
     lone = SamplingArrays.from_params([CASES["top_k_top_p"]], batch, [0])   # the other rows: greedy padding
     out["one_drawing_ms"] = best_ms(one_pass, logits, lone, positions)
     out["one_drawing_by_row_ms"] = best_ms(by_row, logits, lone, positions)
-    filtered = SamplingArrays.from_params([CASES["top_k_top_p"]] * batch, batch, list(range(batch)))
-    out["filters_ms"] = best_ms(jax.jit(filter_logits), logits, filtered)
+    out["filters_ms"] = best_ms(jax.jit(filter_logits), logits, filtering)
     out["full_sort_ms"] = best_ms(jax.jit(lambda x: -jnp.sort(-x, axis=-1)), logits)
     return out
 
