@@ -86,15 +86,18 @@ def test_decode_step_has_two_all_reduces_per_layer(mesh, batch, prompts, llama_o
 def test_each_tp_rank_filters_only_its_own_rows(llama_tp4, prompts):
     """The filters and the draw are split by rows over tp: four decoding sequences at tp=4, one row per
     rank; their prompt step's sequence slots (as many as its tokens may hold), a quarter per rank. No
-    vocabulary-wide array (the logits a rank samples, the filters' ordered logits, the draw's random bits;
-    on CPU the rows that draw go one at a time) holds more than a rank's rows."""
+    vocabulary-wide array (the logits a rank samples, the filters' ordered logits, the draw's random bits)
+    holds more than a rank's rows, and on CPU the rows that draw go one at a time."""
     sampled = SamplingParams(max_tokens=4, temperature=0.9, top_p=0.8, seed=3, ignore_eos=True)
     llama_tp4.generate(prompts[:4], sampled)
     engine, V = llama_tp4.engine, llama_tp4.config.vocab_size
     prompt_step = next(n for n in engine.prefill_sizes if n >= bucket(sum(map(len, prompts[:4]))))
     for step, slots in (("decode", 4), ("prefill", min(prompt_step, engine.max_seqs))):
-        rows = {int(n) for n in re.findall(rf"= \(?[fu]32\[(\d+),{V}\]", engine.runner.last[step].as_text())}
+        text = engine.runner.last[step].as_text()
+        rows = {int(n) for n in re.findall(rf"= \(?[fu]32\[(\d+),{V}\]", text)}
         assert rows and max(rows) == slots // 4, (step, rows)
+        # the filters' and the draw's 32-bit words: one row at a time on CPU, so empty slots cost nothing
+        assert set(re.findall(rf"= \(?u32\[(\d+),{V}\]", text)) == {"1"}, step
 
 
 def test_chat_applies_template(llama_tp4):
