@@ -341,7 +341,7 @@ def run(args: argparse.Namespace) -> dict:
         "random_weights": random_weights, "architecture": llm.config.architecture,
         "num_params": llm.config.num_params(), "dtype": jnp.dtype(llm.dtype).name,
         "mesh": {a: getattr(llm.mesh_config, a) for a in ("dp", "pp", "tp", "ep", "sp")},
-        "devices": llm.mesh_config.size, "platform": llm.layout.mesh.devices.flat[0].platform,
+        "devices": llm.mesh_config.size, "platform": llm.layout.platform,
         "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
         "memory_bandwidth_gbps": bandwidth, "bandwidth_note": "host numpy copy, read+write bytes, best of runs; "
         "on CPU all fake devices share this memory", "mbu_formula": MBU_FORMULA,

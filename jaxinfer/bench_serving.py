@@ -246,7 +246,7 @@ def describe(llm, label: str, args: argparse.Namespace) -> dict:
     return {
         "model": llm.source, "random_weights": args.model is None, "label": label,
         "num_params": llm.config.num_params(), "dtype": jnp.dtype(llm.dtype).name, "mesh": str(llm.mesh_config),
-        "platform": llm.layout.mesh.devices.flat[0].platform, "attention_backend": llm.engine.runner.backend,
+        "platform": llm.layout.platform, "attention_backend": llm.engine.runner.backend,
         **describe_workload(args),
     }
 

@@ -150,7 +150,7 @@ def summary(llm, out, random_weights: bool) -> dict:
         "architecture": llm.config.architecture,
         "mesh": {a: getattr(llm.mesh_config, a) for a in ("dp", "pp", "tp", "ep", "sp")},
         "devices": llm.mesh_config.size,
-        "platform": llm.layout.mesh.devices.flat[0].platform,
+        "platform": llm.layout.platform,
         "dtype": llm.engine.dtype.__name__ if hasattr(llm.engine.dtype, "__name__") else str(llm.engine.dtype),
         "parameter_bytes_per_device": llm.parameter_bytes_per_device(),
         "attention_backend": llm.engine.runner.backend,

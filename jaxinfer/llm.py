@@ -132,7 +132,7 @@ class LLM:
         if asked is False and stages > 1:
             raise ValueError("scan_layers=False needs pp=1: pipeline stages hold their layers as stacks")
         if asked is None:
-            cpu = self.layout.mesh.devices.flat[0].platform == "cpu"
+            cpu = self.layout.platform == "cpu"
             return stages > 1 or not cpu or layer_bytes(specs, self.dtype) < UNROLL_LAYER_BYTES
         return asked
 

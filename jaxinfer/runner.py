@@ -160,7 +160,7 @@ class ModelRunner:
         # and draw; fewer rows than ranks are sampled whole on every rank. On CPU rows that draw go one at a
         # time (jaxinfer.sampling.sample), so padding slots cost nothing.
         rows = ("batch", "drawn" if S % ctx.layout.axis_size("drawn") == 0 else None)
-        row_by_row = ctx.layout.mesh.devices.flat[0].platform == "cpu"
+        row_by_row = ctx.layout.platform == "cpu"
 
         def local(logits, sampling, positions):
             r, s, v = logits.shape

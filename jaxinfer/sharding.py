@@ -81,6 +81,11 @@ class Layout:
     def constrain(self, x: jax.Array, axes: Axes) -> jax.Array:
         return jax.lax.with_sharding_constraint(x, self.spec(axes) if self.in_stage else self.sharding(axes))
 
+    @property
+    def platform(self) -> str:
+        """The mesh's devices' platform ("cpu", "gpu", "tpu"): a mesh holds one kind."""
+        return self.mesh.devices.flat[0].platform
+
     def axis_size(self, logical: str) -> int:
         """How many shards a logical axis is split into."""
         return math.prod(self.mesh.shape[a] for a in self.mesh_axes(logical))
