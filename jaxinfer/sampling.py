@@ -129,17 +129,33 @@ def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array,
         drawn = jnp.where(live, _draw(y, part, positions[rows]), tokens[rows])
         return x.at[rows].set(y), tokens.at[rows].set(drawn)
 
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits)
     if row_by_row:
         x, tokens = jax.lax.fori_loop(0, drawing, one_pass, (logits, greedy))
     else:   # a cond, not a loop of one: XLA:CPU made that loop cost 4x the argmax even with no row drawing
         x, tokens = jax.lax.cond(drawing > 0, one_pass, lambda _, carry: carry, 0, (logits, greedy))
-    logprobs = jax.nn.log_softmax(x, axis=-1)
-    drawn = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)
+    def logprob(v: jax.Array) -> jax.Array:    # log_softmax's arithmetic for the entries asked, no [B, V] array
+        return (v - peak) - log_norm
+
+    peak = x.max(-1, keepdims=True)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    log_norm = jnp.log(jnp.exp(x - peak).sum(-1, keepdims=True))
+    drawn = logprob(jnp.take_along_axis(x, tokens[:, None], axis=-1))
     if not s.top_logprobs:
         return tokens, drawn
-    top, ids = jax.lax.top_k(logprobs, s.top_logprobs)
+    top, ids = jax.lax.top_k(x, s.top_logprobs)
+    top = logprob(top)
     return tokens, jnp.concatenate([drawn, ids.astype(jnp.float32), top], axis=-1)  # ids < 2**24: exact
+
+
+def argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax over the rows of x [B, V] (the first of ties), as int32: the row's max, then the least
+    index that holds it. Two plain reductions that XLA:CPU vectorizes, where jnp.argmax is one reduction
+    over (value, index) pairs that it does not: 0.60 -> 0.14 ms for 8 x 32k rows, 9.7 -> 2.0 ms for
+    32 x 128k (2 cores). A row holding NaN gives the index of a NaN or of its largest number."""
+    top = x.max(-1, keepdims=True)
+    ids = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    return jnp.where((x == top) | jnp.isnan(x), ids, x.shape[-1]).min(-1)
 
 
 def filter_logits(logits: jax.Array, s: SamplingArrays) -> jax.Array:

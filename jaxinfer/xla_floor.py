@@ -13,13 +13,13 @@ import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.batch import GREEDY, pack
 from jaxinfer.engine import Engine
 from jaxinfer.kv_cache import PagedKVCache
 from jaxinfer.layers import StepContext, unrolled_layers
+from jaxinfer.sampling import argmax
 from jaxinfer.scheduler import ScheduledSequence, SchedulerOutput
 
 
@@ -50,7 +50,7 @@ def decode_floor(engine: Engine, batch: int, steps: int = 32) -> Callable[[], fl
         x = runner.model.embed(weights.embed, tokens, ctx)
         cache = jax.tree.map(lambda pool: pool[:, :, :0], cache)   # unread here; a full pool carried through
         x, _ = unrolled_layers(runner.model.layer, weights.layers, x, cache, ctx)
-        return jnp.argmax(runner.model.head(weights.head, x, ctx), axis=-1).astype(jnp.int32)
+        return argmax(runner.model.head(weights.head, x, ctx))
 
     out = forward(runner.weights, runner.cache, tokens, meta)
     forward(runner.weights, runner.cache, out, meta).block_until_ready()   # compiled for the fed-back tokens too

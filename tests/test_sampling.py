@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.sampling import GREEDY_BELOW, MAX_LOGPROBS, SamplingArrays, SamplingParams
+from jaxinfer.sampling import GREEDY_BELOW, MAX_LOGPROBS, SamplingArrays, SamplingParams, argmax
 from jaxinfer.sampling import filter_logits as _filter_logits
 from jaxinfer.sampling import sample as _sample
 
@@ -217,6 +217,25 @@ def test_tokens_tied_at_a_threshold_stay_together():
 
 def test_top_k_1_is_argmax():
     assert set(_draws([0.5, 0.1, 2.0, 1.9, -3.0], temperature=1.5, top_k=1).tolist()) == {2}
+
+
+def test_argmax_is_jnp_argmax_with_ties_and_infinities():
+    rows = np.random.default_rng(0).standard_normal((9, 1000)).astype(np.float32)
+    rows[1, [3, 700]] = 9.0                          # ties: the first wins
+    rows[2] = 1.0                                    # all equal
+    rows[3] = -np.inf                                # nothing finite
+    rows[4, [10, 20]] = np.inf
+    rows[5, 999] = 50.0                              # the last entry
+    rows[6] = -np.inf
+    rows[6, 500] = -1e30
+    rows[7] = -1.0 - np.abs(rows[7])
+    rows[7, [3, 8]] = [-0.0, 0.0]                    # -0.0 and 0.0 tie
+    rows[8, [400, 600]] = np.nan
+    x = jnp.asarray(rows)
+    np.testing.assert_array_equal(jax.jit(argmax)(x)[:8], jnp.argmax(x, axis=-1)[:8])
+    np.testing.assert_array_equal(argmax(x)[:8], [int(np.argmax(r)) for r in rows[:8]])
+    assert [int(i) for i in argmax(x)[1:8]] == [3, 0, 0, 10, 999, 500, 3]
+    assert int(argmax(x)[8]) in {400, int(np.nanargmax(rows[8]))}   # garbage in, still a token id out
 
 
 def test_top_k_off_samples_every_token():
