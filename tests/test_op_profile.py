@@ -1,0 +1,31 @@
+"""jaxinfer.op_profile: a traced jitted function, summed by XLA operation."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxinfer.op_profile import op_times
+
+
+def test_operations_are_summed_leaves_only(tmp_path):
+    @jax.jit
+    def f(x, w):
+        y = jnp.tanh(x @ w)
+        return jax.lax.cond(y.sum() > 0, lambda y: y @ w, lambda y: -y, y)
+
+    x, w = jnp.ones((64, 64)), jnp.eye(64) * 0.5
+    f(x, w).block_until_ready()
+    with jax.profiler.trace(str(tmp_path)):
+        for _ in range(3):
+            f(x, w).block_until_ready()
+    ops = op_times(tmp_path)
+    assert ops and all(o.module == "jit_f" and o.seconds > 0 for o in ops), ops
+    assert all(o.count % 3 == 0 for o in ops), ops             # three calls, each running every operation
+    assert not [o for o in ops if o.name.split(".")[0] in ("cond", "while", "conditional")], ops
+    assert sum(o.count for o in ops) >= 2 * 3                  # both matmuls, the second inside the cond
+    assert [o.seconds for o in ops] == sorted((o.seconds for o in ops), reverse=True)
+
+
+def test_no_trace_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no profiler trace"):
+        op_times(tmp_path)
