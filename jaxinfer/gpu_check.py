@@ -307,6 +307,10 @@ def decode(plan: Plan, clock: Clock, report: Report) -> None:
             if row is not None:
                 part["results"].append({"backend": backend, **{k: row[k] for k in DECODE_KEYS},
                                         "wall_seconds": cost[backend]})
+                if batch == min(b for b, k in plan.items if k == backend) and clock.left("decode") > cost[backend]:
+                    traces = report.outdir / "traces" / f"{backend}-b{batch}"
+                    part["results"][-1]["ops"] = guarded(part, f"{backend} batch {batch}: profile", profile_decode,
+                                                         plan, llm, batch, traces)
             report.save()
         part["agreement"] = guarded(part, "backend agreement", agreement, plan, llms, part, clock)
     finally:
@@ -315,6 +319,18 @@ def decode(plan: Plan, clock: Clock, report: Report) -> None:
         llms.clear()
         gc.collect()
     part["status"] = "ok" if not part["errors"] and not part["skipped"] else "partial" if part["results"] else "failed"
+
+
+def profile_decode(plan: Plan, llm, batch: int, directory: Path) -> dict:
+    """The benchmark's generate once more under jax.profiler (bench --profile): the costliest device
+    operations per step, and the trace in `directory` for xprof or TensorBoard."""
+    from jaxinfer.bench import profile_ops
+    from jaxinfer.bench_peers import bench_prompts
+    from jaxinfer.sampling import SamplingParams
+
+    _, prompts = bench_prompts(llm.config.vocab_size, batch, plan.prompt_len, seed=batch)
+    return profile_ops(llm, prompts, SamplingParams(max_tokens=plan.max_tokens, temperature=0, ignore_eos=True),
+                       directory, top=8)
 
 
 def random_llm(plan: Plan, config, backend: str | None):
@@ -462,6 +478,15 @@ def decode_lines(d: dict) -> list[str]:
                   f"{x['prefill_tokens_per_second']:,.0f} | {x['compile_seconds']:.1f} | {x['host_ms_per_step']:.2f} | "
                   f"{x['device_idle']:.1%} |" for x in d["results"]]
         lines.append("")
+    for x in d["results"]:
+        if x.get("ops"):
+            p = x["ops"]
+            lines += [f"Costliest device operations, {x['backend']} batch {x['batch']} ({p['steps']} steps traced into "
+                      f"`{Path(p['trace']).name}`):", "", "| ms/step | runs/step | share | operation (module) |",
+                      "| --- | --- | --- | --- |"]
+            lines += [f"| {o['ms_per_step']:.3f} | {o['runs_per_step']:.1f} | {o['share']:.1%} | {o['name']} "
+                      f"({o['module']}) |" for o in p["ops"]]
+            lines.append("")
     lines += [f"- skipped {s['backend']} batch {s['batch']}: {s['reason']}" for s in d["skipped"]]
     lines += [f"- ERROR {e['what']}: {e['error'][:300]}" for e in d["errors"]]
     a = d.get("agreement")

@@ -72,6 +72,13 @@ def test_decode_figures(dry_run):
         assert x["decode_tokens_per_second"] > 0 and x["prefill_tokens_per_second"] > 0
         assert 0 < x["mbu"] < 3, x                          # a CPU's caches can beat its copy bandwidth a little
         assert x["compile_seconds"] > 0
+    # each backend's smallest batch is traced once more: its costliest operations per step
+    profiled = [(x["backend"], x["batch"]) for x in d["results"] if "ops" in x]
+    assert profiled == [("pallas", 1), ("xla", 1)]
+    for x in d["results"]:
+        if "ops" in x:
+            assert x["ops"]["steps"] == steps + 1 and 0 < len(x["ops"]["ops"]) <= 8
+            assert all(o["ms_per_step"] > 0 and o["runs_per_step"] > 0 for o in x["ops"]["ops"])
     a = d["agreement"]
     assert (a["status"], a["batch"], a["sequences"], a["backends"]) == ("ok", 1, 1, ["pallas", "xla"])
     assert a["identical"] == 1   # float32 on CPU: the interpreted kernels give the reference's tokens
@@ -92,6 +99,10 @@ def test_markdown_mirrors_the_json(dry_run):
         assert heading in md
     for x in r["decode"]["results"]:
         assert f"| {x['backend']} | {x['batch']} | {x['decode_tokens_per_second']:,.1f} | " in md
+        if "ops" in x:
+            top = x["ops"]["ops"][0]
+            row = f"| {top['ms_per_step']:.3f} | {top['runs_per_step']:.1f} | {top['share']:.1%} | {top['name']} "
+            assert row in md
     assert f"| {r['kernel_tests']['passed']} | 0 | 0 | 0 |" in md
     assert f"| 1/1 | {r['serving']['duration_s']:.2f} |" in md
 
