@@ -134,17 +134,15 @@ def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array,
         x, tokens = jax.lax.fori_loop(0, drawing, one_pass, (logits, greedy))
     else:   # a cond, not a loop of one: XLA:CPU made that loop cost 4x the argmax even with no row drawing
         x, tokens = jax.lax.cond(drawing > 0, one_pass, lambda _, carry: carry, 0, (logits, greedy))
-    def logprob(v: jax.Array) -> jax.Array:    # log_softmax's arithmetic for the entries asked, no [B, V] array
-        return (v - peak) - log_norm
-
+    # log-probabilities by log_softmax's arithmetic, of the entries asked for only: no [B, V] array of them
     peak = x.max(-1, keepdims=True)
     peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
     log_norm = jnp.log(jnp.exp(x - peak).sum(-1, keepdims=True))
-    drawn = logprob(jnp.take_along_axis(x, tokens[:, None], axis=-1))
+    drawn = jnp.take_along_axis(x, tokens[:, None], axis=-1) - peak - log_norm
     if not s.top_logprobs:
         return tokens, drawn
     top, ids = jax.lax.top_k(x, s.top_logprobs)
-    top = logprob(top)
+    top = top - peak - log_norm
     return tokens, jnp.concatenate([drawn, ids.astype(jnp.float32), top], axis=-1)  # ids < 2**24: exact
 
 
