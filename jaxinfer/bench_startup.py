@@ -3,11 +3,14 @@
     python -m jaxinfer.bench_startup                          # the serving benchmark's model and the default
     python -m jaxinfer.bench_startup --preset small --json
 
-Each figure is one fresh Python process (same flags as `python -m jaxinfer.serve` would load), timed from its
-launch: first_token_s = the model loaded and one token generated; ready_s = then every warm-up bucket compiled
-(jaxinfer.warmup), i.e. when the server would start listening. cold: an empty compilation cache (a temporary
-directory); warm: the same directory again, a restart on the same machine. The random-weight checkpoints
-come from the usual cache directory (written beforehand), so neither run pays for writing them.
+Each figure is a fresh Python process, timed from its launch. ready_s: as `python -m jaxinfer.serve` starts,
+the model loaded and every warm-up bucket compiled (jaxinfer.warmup), i.e. when the server would start
+listening; first_token_s: then one request's first token (it compiles nothing: compiled_by_first_token).
+no_warmup_first_token_s: another process, the model loaded and one token generated at once, as with
+`--no-warmup` or in a notebook (it compiles the one bucket that token needs). cold: an empty compilation
+cache (a temporary directory per process); warm: the same directory again, a restart on the same machine.
+The random-weight checkpoints come from the usual cache directory (written beforehand), so no run pays for
+writing them.
 """
 
 from __future__ import annotations
@@ -28,11 +31,14 @@ CHILD = """
 import json, sys, time
 from jaxinfer import LLM, SamplingParams
 llm = LLM(sys.argv[1], dtype="float32")
+loaded = time.time()
+compiled = llm.warmup(progress=False) if sys.argv[2] == "serve" else 0
+ready = time.time()
+before = llm.engine.compilations
 llm.generate([[1, 72, 101, 108]], SamplingParams(max_tokens=1, temperature=0))
-first = time.time()
-compiled = llm.warmup(progress=False)
-print(json.dumps({"first": first, "ready": time.time(), "compiled": compiled,
-                  "compilations": llm.engine.compilations, "compile_s": llm.engine.runner.compile_seconds}))
+print(json.dumps({"loaded": loaded, "ready": ready, "first": time.time(), "compiled": compiled,
+                  "compiled_by_first": llm.engine.compilations - before, "compilations": llm.engine.compilations,
+                  "compile_s": llm.engine.runner.compile_seconds}))
 llm.close()
 """
 
@@ -52,33 +58,44 @@ def checkpoint(preset: str) -> str:
     return str(random_model.ensure(name, getattr(random_model, config)))
 
 
-def start(path: str, xla_cache: str) -> dict:
-    """One fresh process: seconds from its launch to its first token and to all buckets ready."""
+def start(path: str, xla_cache: str, mode: str) -> dict:
+    """One fresh process (mode "serve": warm-up first; "first": a token at once): seconds from its launch."""
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": xla_cache}
     env.pop("JAX_ENABLE_COMPILATION_CACHE", None)
     t0 = time.time()
-    out = subprocess.run([sys.executable, "-c", CHILD, path], env=env, check=True,
+    out = subprocess.run([sys.executable, "-c", CHILD, path, mode], env=env, check=True,
                          capture_output=True, text=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
-    return {"first_token_s": r["first"] - t0, "ready_s": r["ready"] - t0, "buckets": r["compilations"],
-            "warmup_compiled": r["compiled"], "compile_s": r["compile_s"]}
+    return {"loaded_s": r["loaded"] - t0, "ready_s": r["ready"] - t0, "first_token_s": r["first"] - t0,
+            "buckets": r["compilations"], "warmup_compiled": r["compiled"],
+            "compiled_by_first_token": r["compiled_by_first"], "compile_s": r["compile_s"]}
+
+
+def start_pair(path: str, serve_cache: str, first_cache: str) -> dict:
+    """A server's start and a first token without warm-up, each in its own process and cache directory."""
+    served, first = start(path, serve_cache, "serve"), start(path, first_cache, "first")
+    return {**served, "no_warmup_first_token_s": first["first_token_s"],
+            "no_warmup_compiled": first["compiled_by_first_token"]}
 
 
 def run(args: argparse.Namespace) -> dict:
     results = {}
     for preset in args.preset or list(PRESETS):
         path = checkpoint(preset)
-        with tempfile.TemporaryDirectory(prefix="jaxinfer-xla-") as xla_cache:
-            results[preset] = {"cold": start(path, xla_cache), "warm": start(path, xla_cache)}
+        with (tempfile.TemporaryDirectory(prefix="jaxinfer-xla-") as serve_cache,
+              tempfile.TemporaryDirectory(prefix="jaxinfer-xla-") as first_cache):
+            results[preset] = {"cold": start_pair(path, serve_cache, first_cache),
+                               "warm": start_pair(path, serve_cache, first_cache)}
     return results
 
 
 def readable(results: dict) -> str:
-    lines = [f"{'model':8} {'start':5} {'first token':>12} {'ready':>9} {'buckets':>8} {'compile':>9}"]
+    lines = [f"{'model':8} {'start':5} {'loaded':>8} {'ready':>8} {'first token':>12} {'buckets':>8} {'compile':>9}"
+             f" {'first token without warm-up':>28}"]
     for preset, runs in results.items():
         for kind, r in runs.items():
-            lines.append(f"{preset:8} {kind:5} {r['first_token_s']:11.1f}s {r['ready_s']:8.1f}s {r['buckets']:8d} "
-                         f"{r['compile_s']:8.1f}s")
+            lines.append(f"{preset:8} {kind:5} {r['loaded_s']:7.1f}s {r['ready_s']:7.1f}s {r['first_token_s']:11.1f}s "
+                         f"{r['buckets']:8d} {r['compile_s']:8.1f}s {r['no_warmup_first_token_s']:27.1f}s")
     return "\n".join(lines)
 
 
