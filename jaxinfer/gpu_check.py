@@ -482,10 +482,10 @@ def decode_lines(d: dict) -> list[str]:
         if x.get("ops"):
             p = x["ops"]
             lines += [f"Costliest device operations, {x['backend']} batch {x['batch']} ({p['steps']} steps traced into "
-                      f"`{Path(p['trace']).name}`):", "", "| ms/step | runs/step | share | operation (module) |",
-                      "| --- | --- | --- | --- |"]
+                      f"`{Path(p['trace']).name}`):", "",
+                      "| ms/step | runs/step | share | operation (program) | source |", "| --- " * 5 + "|"]
             lines += [f"| {o['ms_per_step']:.3f} | {o['runs_per_step']:.1f} | {o['share']:.1%} | {o['name']} "
-                      f"({o['module']}) |" for o in p["ops"]]
+                      f"({o['module']}) | `{o['source']}` |" for o in p["ops"]]
             lines.append("")
     lines += [f"- skipped {s['backend']} batch {s['batch']}: {s['reason']}" for s in d["skipped"]]
     lines += [f"- ERROR {e['what']}: {e['error'][:300]}" for e in d["errors"]]

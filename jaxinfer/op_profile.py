@@ -5,6 +5,8 @@ On CPU, XLA's thunk executor records every operation it runs (an event per run, 
 module) on the host plane's XLA threads; on a GPU the kernels sit on the device planes' streams (not yet
 run on a GPU). Loops and conditionals are left out of the sums: their time is that of the operations they
 run, which are counted themselves. The trace directory also opens in TensorBoard or xprof.
+`hlo_sources` names each operation by the program code it came from (its HLO metadata's op_name), read
+from the compiled programs' text.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 import jax
 
 _CONTROL_FLOW = re.compile(r"^(cond|while|conditional|call)(\.[\w.]*)?$")
+_MODULE = re.compile(r"^HloModule ([\w.\-]+)", re.M)
+_OP_NAME = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .*?metadata=\{[^}]*?op_name=\"([^\"]*)\"", re.M)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +30,7 @@ class OpTime:
     module: str         # the compiled program it belongs to
     seconds: float      # summed over every time it ran
     count: int          # how many times it ran
+    source: str = ""    # the program code it came from (hlo_sources), where known
 
 
 def _op_lines(plane: jax.profiler.ProfilePlane):
@@ -37,8 +42,20 @@ def _op_lines(plane: jax.profiler.ProfilePlane):
             yield line
 
 
-def op_times(directory: str | os.PathLike) -> list[OpTime]:
-    """Every operation's total time and count in the newest trace under `directory`, longest first."""
+def hlo_sources(texts: list[str]) -> dict[tuple[str, str], str]:
+    """(module, operation) -> its op_name metadata without the "jit(...)/" prefix (e.g. "while/body/...
+    /bte,egc->btgc/dot_general"), from compiled programs' text (`Compiled.as_text()`)."""
+    sources = {}
+    for text in texts:
+        module = _MODULE.search(text)
+        for op, op_name in _OP_NAME.findall(text):
+            sources[module.group(1) if module else "", op] = op_name.split("/", 1)[-1]
+    return sources
+
+
+def op_times(directory: str | os.PathLike, sources: dict[tuple[str, str], str] | None = None) -> list[OpTime]:
+    """Every operation's total time and count in the newest trace under `directory`, longest first, each
+    named by `sources` (hlo_sources) where it holds the operation."""
     traces = sorted(Path(directory).rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
     if not traces:
         raise FileNotFoundError(f"no profiler trace (*.xplane.pb) under {directory}")
@@ -53,4 +70,6 @@ def op_times(directory: str | os.PathLike) -> list[OpTime]:
                 key = stats["hlo_op"], stats.get("hlo_module", "")
                 seconds[key] += event.duration_ns / 1e9
                 counts[key] += 1
-    return [OpTime(name, module, s, counts[name, module]) for (name, module), s in seconds.most_common()]
+    sources = sources or {}
+    return [OpTime(name, module, s, counts[name, module], sources.get((module, name), ""))
+            for (name, module), s in seconds.most_common()]

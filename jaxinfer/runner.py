@@ -122,16 +122,23 @@ class ModelRunner:
         self.timing = StepTiming()
         # every device gets the whole input buffer (a few KiB), so unpacking it needs no collective
         self._replicated = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
-        self._jitted = {kind: self._program(kind, fn) for kind, fn in (("step", self._step), ("score", self._score))}
+        self._kinds: dict[str, Callable] = {"step": self._step, "score": self._score}
+        self._jitted: dict[str, Callable] = {}
 
-    def _program(self, kind: str, fn: Callable) -> Callable:
-        """fn on the unpacked inputs, jitted under its kind's name (its HLO module is "jit_<kind>", as a
-        profile shows it), the state donated, the inputs' layout static."""
-        def program(weights: Weights, state: RunnerState, buffers: list[jax.Array], inputs: Inputs):
-            return fn(weights, state, inputs.unpack(buffers, self._replicated))
+    def _program(self, kind: str, inputs: Inputs) -> Callable:
+        """The kind's function on the unpacked inputs, jitted under its bucket's name, "<kind>_<tokens>x<slots>"
+        (its HLO module is "jit_<name>", which a profile shows), the state donated, the inputs' layout static."""
+        shapes = inputs.tree.unflatten(inputs.shapes)
+        name = f"{kind}_{shapes.tokens[1]}x{shapes.logits_index[1]}"
+        if name not in self._jitted:
+            fn = self._kinds[kind]
 
-        program.__name__ = program.__qualname__ = kind
-        return jax.jit(program, donate_argnums=(1,), static_argnums=(3,))
+            def program(weights: Weights, state: RunnerState, buffers: list[jax.Array], inputs: Inputs):
+                return fn(weights, state, inputs.unpack(buffers, self._replicated))
+
+            program.__name__ = program.__qualname__ = name
+            self._jitted[name] = jax.jit(program, donate_argnums=(1,), static_argnums=(3,))
+        return self._jitted[name]
 
     @property
     def compilations(self) -> int:
@@ -256,7 +263,7 @@ class ModelRunner:
                 with self._tracing():
                     replicated = [jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=self._replicated)
                                   for b in buffers]
-                    exe = self._jitted[kind].lower(self.weights, self.state, replicated, inputs).compile()
+                    exe = self._program(kind, inputs).lower(self.weights, self.state, replicated, inputs).compile()
                 if stored is not None and jax_cache_hits() == hits:   # only what XLA has just compiled
                     save_executable(stored, exe)
             self.executables[key] = exe

@@ -73,7 +73,9 @@ def test_bench_json_counts(tmp_path, capsys):
                        f"{x['compile_seconds']:.1f}"]
         top = x["ops"]["ops"][0]
         assert (f"{top['ms_per_step']:>9.3f} {top['runs_per_step']:>9.1f} {top['share']:>6.1%}  {top['name']} "
-                f"({top['module']})") in text
+                f"({top['module']}): {top['source']}") in text
+        # each operation named by its program (the bucket's) and, for the step's costliest, the code it came from
+        assert all(o["module"].startswith("jit_step_") for o in x["ops"]["ops"]) and top["source"]
     assert f"W = {expected_w / 2**20:.1f} MiB of weight shards read per step" in text[2]
     assert text[1].startswith(f"mesh      tp=2 on 2 {r['platform']} device(s); prompt 16 tokens, 4 generated")
 

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxinfer.op_profile import op_times
+from jaxinfer.op_profile import hlo_sources, op_times
 
 
 def test_operations_are_summed_leaves_only(tmp_path):
@@ -18,8 +18,9 @@ def test_operations_are_summed_leaves_only(tmp_path):
     with jax.profiler.trace(str(tmp_path)):
         for _ in range(3):
             f(x, w).block_until_ready()
-    ops = op_times(tmp_path)
+    ops = op_times(tmp_path, hlo_sources([f.lower(x, w).compile().as_text()]))
     assert ops and all(o.module == "jit_f" and o.seconds > 0 for o in ops), ops
+    assert {o.source for o in ops if o.source.endswith("dot_general")}, ops      # the matmuls, by their code
     assert all(o.count % 3 == 0 for o in ops), ops             # three calls, each running every operation
     assert not [o for o in ops if o.name.split(".")[0] in ("cond", "while", "conditional")], ops
     assert sum(o.count for o in ops) >= 2 * 3                  # both matmuls, the second inside the cond
