@@ -49,8 +49,8 @@ Why each number is what it is:
   TensorBoard or xprof), and the operations that took the most device time, summed over the trace's
   operations and devices (jaxinfer.op_profile) and divided by the run's steps, each with the program it ran
   in (jit_step_<tokens>x<slots>: one per bucket) and the code it came from (its op_name: the einsum, the
-  loop or branch it sits in). On CPU the two cores run operations side by side, so the per-step sums can
-  exceed a step's wall time; "share" is of all the operations' time.
+  loop or branch it sits in; else its opcode and result shape). On CPU the two cores run operations side
+  by side, so the per-step sums can exceed a step's wall time; "share" is of all the operations' time.
 - OPENBLAS: this module sets no OPENBLAS_*/OMP_* variables (nor any other thread setting); numpy's copy
   does not use BLAS and changing them would change how numpy and XLA:CPU share the cores. Set them
   outside the process if wanted; the output then reflects that setting.

@@ -22,6 +22,7 @@ import jax
 _CONTROL_FLOW = re.compile(r"^(cond|while|conditional|call)(\.[\w.]*)?$")
 _MODULE = re.compile(r"^HloModule ([\w.\-]+)", re.M)
 _OP_NAME = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .*?metadata=\{[^}]*?op_name=\"([^\"]*)\"", re.M)
+_OP_SHAPE = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+\[[\d,]*\])(?:\{[^}]*\})? ([\w\-]+)\(", re.M)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,12 +45,16 @@ def _op_lines(plane: jax.profiler.ProfilePlane):
 
 def hlo_sources(texts: list[str]) -> dict[tuple[str, str], str]:
     """(module, operation) -> its op_name metadata without the "jit(...)/" prefix (e.g. "while/body/...
-    /bte,egc->btgc/dot_general"), from compiled programs' text (`Compiled.as_text()`)."""
+    /bte,egc->btgc/dot_general") or, where XLA kept none, its opcode and result shape (e.g. "dot
+    f32[1,1,32000]"), from compiled programs' text (`Compiled.as_text()`)."""
     sources = {}
     for text in texts:
         module = _MODULE.search(text)
+        module = module.group(1) if module else ""
+        for op, shape, opcode in _OP_SHAPE.findall(text):
+            sources[module, op] = f"{opcode} {shape}"
         for op, op_name in _OP_NAME.findall(text):
-            sources[module.group(1) if module else "", op] = op_name.split("/", 1)[-1]
+            sources[module, op] = op_name.split("/", 1)[-1]
     return sources
 
 

@@ -30,3 +30,18 @@ def test_operations_are_summed_leaves_only(tmp_path):
 def test_no_trace_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no profiler trace"):
         op_times(tmp_path)
+
+
+def test_sources_are_op_names_or_else_opcode_and_shape():
+    text = """HloModule jit_g, entry_computation_layout={(f32[2,3]{1,0})->f32[2,4]{1,0}}
+
+ENTRY %main.1 (p.1: f32[2,3], w.1: f32[3,4]) -> f32[2,4] {
+  %p.1 = f32[2,3]{1,0} parameter(0), metadata={op_name="p"}
+  %w.1 = f32[3,4]{1,0} parameter(1), metadata={op_name="w"}
+  %dot.7 = f32[2,4]{1,0} dot(%p.1, %w.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %tanh.1 = f32[2,4]{1,0} tanh(%dot.7), metadata={op_name="jit(g)/while/body/tanh" stack_frame_id=1}
+}
+"""
+    sources = hlo_sources([text])
+    assert sources[("jit_g", "dot.7")] == "dot f32[2,4]"              # no metadata kept: what it computes
+    assert sources[("jit_g", "tanh.1")] == "while/body/tanh"         # the code it came from, "jit(g)/" dropped
