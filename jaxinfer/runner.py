@@ -122,8 +122,7 @@ class ModelRunner:
         self.timing = StepTiming()
         # every device gets the whole input buffer (a few KiB), so unpacking it needs no collective
         self._replicated = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
-        self._kinds: dict[str, Callable] = {"step": self._step, "score": self._score}
-        self._jitted: dict[str, Callable] = {}
+        self._jitted: dict[str, Callable] = {}   # bucket name -> its jitted program
 
     def _program(self, kind: str, inputs: Inputs) -> Callable:
         """The kind's function on the unpacked inputs, jitted under its bucket's name, "<kind>_<tokens>x<slots>"
@@ -131,7 +130,7 @@ class ModelRunner:
         shapes = inputs.tree.unflatten(inputs.shapes)
         name = f"{kind}_{shapes.tokens[1]}x{shapes.logits_index[1]}"
         if name not in self._jitted:
-            fn = self._kinds[kind]
+            fn = {"step": self._step, "score": self._score}[kind]
 
             def program(weights: Weights, state: RunnerState, buffers: list[jax.Array], inputs: Inputs):
                 return fn(weights, state, inputs.unpack(buffers, self._replicated))
