@@ -250,6 +250,7 @@ def bench_batch(llm, batch: int, prompt_len: int, max_tokens: int, seed: int, ba
         "step_ms": {part: 1e3 * getattr(s, f"{part}_seconds") / max(s.steps, 1) for part in STEP_PARTS},
         "host_ms_per_step": 1e3 * s.host_seconds / max(s.steps, 1),
         "host_ms_per_decode_step": 1e3 * s.decode_host_seconds / max(s.decode_steps, 1),
+        "host_cpu_ms_per_step": 1e3 * s.host_cpu_seconds / max(s.steps, 1),
         "device_idle": s.device_idle,
         "token_ids": [list(o.token_ids) for o in outs],   # compared with the peers' (--vs), then dropped
         "ops": ops,
@@ -438,7 +439,8 @@ def readable(r: dict) -> str:
         parts = " + ".join(f"{part} {x['step_ms'][part]:.2f}" for part in STEP_PARTS if part != "device")
         lines.append(f"batch {x['batch']}: per step (ms) host {x['host_ms_per_step']:.2f} = {parts}; device "
                      f"{x['step_ms']['device']:.2f}; device idle {x['device_idle']:.1%} of the steps' wall time; "
-                     f"host {x['host_ms_per_decode_step']:.2f} per decode step")
+                     f"host {x['host_ms_per_decode_step']:.2f} per decode step; "
+                     f"host CPU {x['host_cpu_ms_per_step']:.2f}")
     for x in r["results"]:
         ar = x["collectives"].get("decode", {}).get("all-reduce", {"count": 0, "bytes": 0})
         lines.append(f"batch {x['batch']}: decode step all-reduce {ar['count']} x, {ar['bytes']:,} bytes per device")

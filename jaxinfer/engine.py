@@ -198,7 +198,7 @@ class Engine:
     def step(self) -> list[Request]:
         """Schedule and dispatch one device step, and hand out the tokens of the step whose results are due
         (this one; overlapped, the one before); returns the requests that finished."""
-        t_start = time.perf_counter()
+        t_start, cpu_start = time.perf_counter(), time.thread_time()
         previous, compiled, host = self.dispatched, self.runner.compile_seconds, self.stats.host_seconds
         if previous is not None:
             previous.ready(t_start)
@@ -256,6 +256,7 @@ class Engine:
                 s.decode_tokens += sum(seq.samples for o in due.done or [] for seq in o.sequences)
         s.compile_seconds = self.runner.compile_seconds
         s.preemptions = sum(sch.preemptions for sch in self.schedulers)
+        s.host_cpu_seconds += time.thread_time() - cpu_start
         return finished
 
     def step_shape(self, outputs: list[SchedulerOutput]) -> tuple[int, int]:

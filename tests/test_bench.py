@@ -54,6 +54,7 @@ def test_bench_json_counts(tmp_path, capsys):
         wall = (x["prefill_seconds"] + x["decode_seconds"]) * 1e3 / steps
         assert math.isclose(x["host_ms_per_step"], host) and 0 <= x["device_idle"] < 1
         assert 0.5 * wall <= host + x["step_ms"]["device"] <= wall
+        assert 0 < x["host_cpu_ms_per_step"] <= wall   # one thread's CPU time within the steps' wall time
         # the XLA floor of the same decode shapes was measured, and the engine cannot beat it
         assert 0 < x["of_floor"] < 1 and x["xla_floor_tokens_per_second"] > x["decode_tokens_per_second"]
         # --profile: one more generate traced, its operations per step, the costliest first
