@@ -45,7 +45,7 @@ def _op_lines(plane: jax.profiler.ProfilePlane):
 
 def hlo_sources(texts: list[str]) -> dict[tuple[str, str], str]:
     """(module, operation) -> its op_name metadata without the "jit(...)/" prefix (e.g. "while/body/...
-    /bte,egc->btgc/dot_general") or, where XLA kept none, its opcode and result shape (e.g. "dot
+    /...e,oe->...o/dot_general") or, where XLA kept none, its opcode and result shape (e.g. "dot
     f32[1,1,32000]"), from compiled programs' text (`Compiled.as_text()`)."""
     sources = {}
     for text in texts:
