@@ -200,6 +200,7 @@ class Engine:
         (this one; overlapped, the one before); returns the requests that finished."""
         t_start, cpu_start = time.perf_counter(), time.thread_time()
         previous, compiled, host = self.dispatched, self.runner.compile_seconds, self.stats.host_seconds
+        compiled_cpu = self.runner.compile_cpu_seconds
         if previous is not None:
             previous.ready(t_start)
         outputs = [s.schedule() for s in self.schedulers]
@@ -256,7 +257,7 @@ class Engine:
                 s.decode_tokens += sum(seq.samples for o in due.done or [] for seq in o.sequences)
         s.compile_seconds = self.runner.compile_seconds
         s.preemptions = sum(sch.preemptions for sch in self.schedulers)
-        s.host_cpu_seconds += time.thread_time() - cpu_start
+        s.host_cpu_seconds += time.thread_time() - cpu_start - (self.runner.compile_cpu_seconds - compiled_cpu)
         return finished
 
     def step_shape(self, outputs: list[SchedulerOutput]) -> tuple[int, int]:

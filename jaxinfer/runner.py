@@ -110,6 +110,7 @@ class ModelRunner:
         self.executables: dict[tuple, jax.stages.Compiled] = {}
         self.last: dict[str, jax.stages.Compiled] = {}   # phase -> its latest executable
         self.compile_seconds = 0.0
+        self.compile_cpu_seconds = 0.0   # the compiling threads' own CPU time (tracing, lowering, waiting on XLA)
         self.timing = StepTiming()
         # every device gets the whole input buffer (a few KiB), so unpacking it needs no collective
         self._replicated = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
@@ -255,7 +256,7 @@ class ModelRunner:
         leaves, tree = jax.tree.flatten(self.state)
         key = (kind, inputs, tree, *((x.shape, x.dtype) for x in leaves))   # inputs: the batch's tree, shapes
         if key not in self.executables:
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.thread_time()
             stored = self._stored(kind, inputs, buffers) if self.executables_dir is not None else None
             exe = load_executable(stored, list(self.layout.mesh.devices.flat)) if stored is not None else None
             if exe is not None:
@@ -272,6 +273,7 @@ class ModelRunner:
                     save_executable(stored, exe)
             self.executables[key] = exe
             self.compile_seconds += time.perf_counter() - t0
+            self.compile_cpu_seconds += time.thread_time() - cpu0
         return self.executables[key]
 
     def _stored(self, kind: str, inputs: Inputs, buffers: list[np.ndarray]) -> Path:

@@ -31,8 +31,8 @@ class EngineStats:
     wall_seconds: float = 0.0       # the steps' wall time (compilation excluded)
     idle_seconds: float = 0.0       # of it, the device had no step to run (overlapped: an upper bound)
     decode_host_seconds: float = 0.0   # the host work of decode-only steps (counted as decode_seconds are)
-    host_cpu_seconds: float = 0.0   # the stepping thread's CPU time (compiling included): on a CPU backend the
-                                    # host's work takes cores from the device's, overlapped or not
+    host_cpu_seconds: float = 0.0   # the stepping thread's CPU time (compilation excluded): on a CPU backend
+                                    # the host's work takes cores from the device's, overlapped or not
 
     @property
     def utilisation(self) -> float:
