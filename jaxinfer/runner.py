@@ -110,7 +110,7 @@ class ModelRunner:
         self.executables: dict[tuple, jax.stages.Compiled] = {}
         self.last: dict[str, jax.stages.Compiled] = {}   # phase -> its latest executable
         self.compile_seconds = 0.0
-        self.compile_cpu_seconds = 0.0   # the compiling threads' own CPU time (tracing, lowering, waiting on XLA)
+        self.compile_cpu_seconds = 0.0   # the compiling threads' own CPU time (tracing, lowering, XLA's work there)
         self.timing = StepTiming()
         # every device gets the whole input buffer (a few KiB), so unpacking it needs no collective
         self._replicated = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
@@ -222,9 +222,9 @@ class ModelRunner:
 
     def _place(self, exe: jax.stages.Compiled, buffers: list[np.ndarray]) -> list[np.ndarray] | list[jax.Array]:
         """The buffers (identical on every process) as the executable takes them. In one process, as they are:
-        its call places them where its input shardings say, for less host time than a device_put first (0.5
-        against 0.6 + 0.5 ms of CPU a step on 2 busy cores). Across processes, each builds its part of every
-        global array."""
+        its call places them where its input shardings say at next to no cost, where a device_put first took
+        0.5-0.6 ms of host CPU a step on 2 busy cores. Across processes, each builds its part of every global
+        array."""
         if jax.process_count() == 1:
             return buffers
         if exe not in self._buffer_shardings:
