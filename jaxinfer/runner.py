@@ -86,7 +86,7 @@ class RunnerState:
 class StepTiming:
     """Where the host's time went in the latest dispatch and collect (seconds)."""
 
-    transfer: float = 0.0   # packing the inputs and placing them on the devices
+    transfer: float = 0.0   # packing the inputs into one buffer (and, across processes, placing it)
     launch: float = 0.0     # calling the executable (asynchronous: returns before the device is done)
     wait: float = 0.0       # waiting for the outputs to be ready
     fetch: float = 0.0      # the outputs to the host

@@ -24,7 +24,8 @@ class EngineStats:
     # where a step's time goes (compilation excluded): host work, and the device's between dispatch and results
     schedule_seconds: float = 0.0   # host: the schedulers pick the step's work
     pack_seconds: float = 0.0       # host: the work packed into bucketed arrays
-    transfer_seconds: float = 0.0   # host: the arrays placed on the devices
+    transfer_seconds: float = 0.0   # host: the arrays packed into one buffer (placed by the step's launch in
+                                    # one process; across processes, each builds its part here)
     device_seconds: float = 0.0     # host: starting steps and waiting for their outputs
     fetch_seconds: float = 0.0      # host: tokens and log-probabilities back to the host
     update_seconds: float = 0.0     # host: tokens handed out (stop checks, detokenizing, stream callbacks)

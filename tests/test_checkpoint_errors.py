@@ -479,20 +479,20 @@ def test_fused_weights_hold_each_devices_columns(fixture, tp, hf_tiny):
     [stack] = params.layers
     w, H, KV, M = stack.weights, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
     attn, mlp = "self_attn.", "mlp."
-    # (fused array, its block axis within one layer, its parts: HF tensor and how many heads (columns) it has)
-    fused = [(w.attn.qkv, 0, [(attn + "q_proj.weight", H), (attn + "k_proj.weight", KV), (attn + "v_proj.weight", KV)]),
-             (w.mlp.gate_up, 0, [(mlp + "gate_proj.weight", M), (mlp + "up_proj.weight", M)])]
+    # (fused array, its parts: HF tensor and how many heads (columns) it has); a layer's blocks lead: axis 0
+    fused = [(w.attn.qkv, [(attn + "q_proj.weight", H), (attn + "k_proj.weight", KV), (attn + "v_proj.weight", KV)]),
+             (w.mlp.gate_up, [(mlp + "gate_proj.weight", M), (mlp + "up_proj.weight", M)])]
     if cfg.qkv_bias:
-        fused.append((w.attn.qkv_bias, 0, [(attn + "q_proj.bias", H), (attn + "k_proj.bias", KV),
-                                           (attn + "v_proj.bias", KV)]))
-    for array, block_axis, parts in fused:
+        fused.append((w.attn.qkv_bias, [(attn + "q_proj.bias", H), (attn + "k_proj.bias", KV),
+                                        (attn + "v_proj.bias", KV)]))
+    for array, parts in fused:
         assert len(array.addressable_shards) == tp
         for shard in array.addressable_shards:
-            [g] = range(*shard.index[1 + block_axis].indices(tp))      # one block per device: its shard
+            [g] = range(*shard.index[1].indices(tp))                   # one block per device: its shard
             for layer in range(cfg.num_layers):
-                got = np.asarray(shard.data)[layer].take(0, axis=block_axis)
+                got = np.asarray(shard.data)[layer, 0]
                 want = np.concatenate([hf_columns(tensors, f"model.layers.{layer}.{name}", heads, g, tp)
-                                       for name, heads in parts], axis=block_axis)
+                                       for name, heads in parts])
                 np.testing.assert_array_equal(got, want.reshape(got.shape), err_msg=f"{parts} on device {g}")
 
 
