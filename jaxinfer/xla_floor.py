@@ -9,6 +9,7 @@ engine tok/s / floor tok/s is the engine's efficiency.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -19,6 +20,7 @@ from jaxinfer.batch import GREEDY, pack
 from jaxinfer.engine import Engine
 from jaxinfer.kv_cache import PagedKVCache
 from jaxinfer.layers import StepContext, unrolled_layers
+from jaxinfer.runner import compiler_options
 from jaxinfer.sampling import argmax
 from jaxinfer.scheduler import ScheduledSequence, SchedulerOutput
 
@@ -44,7 +46,7 @@ def decode_floor(engine: Engine, batch: int, steps: int = 32) -> Callable[[], fl
     replicated = jax.sharding.NamedSharding(engine.layout.mesh, jax.sharding.PartitionSpec())
     meta, tokens = jax.device_put((meta, np.zeros((replicas, per), np.int32)), replicated)
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=compiler_options(engine.layout.platform))   # as the engine's
     def forward(weights, cache, tokens, meta):
         ctx = StepContext(engine.layout, meta, runner.backend, attend=queries_only)
         x = runner.model.embed(weights.embed, tokens, ctx)
