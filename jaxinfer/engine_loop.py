@@ -241,7 +241,7 @@ class EngineLoop:
                     try:
                         self.engine.add_request(prompt, params, request_id,
                                                 on_token=stream._token if stream is not None else None)
-                    except RequestError as e:
+                    except Exception as e:  # noqa: BLE001 - a refusal (RequestError) or a failure: its caller's
                         if stream is not None:
                             self._end(request_id, None, e)
             elif kind == "abort":
@@ -253,7 +253,7 @@ class EngineLoop:
                 future = self._scores.pop(key, None)
                 try:
                     result = self.engine.score(sequences)
-                except RequestError as e:
+                except Exception as e:  # noqa: BLE001 - the caller gets the failure, the loop goes on
                     if future is not None:
                         future.set_exception(e)
                 else:

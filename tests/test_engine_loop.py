@@ -86,6 +86,35 @@ def test_a_stalled_engine_raises_instead_of_spinning(llm):
     assert engine.generate([[1, 5, 6, 7]], [GREEDY])[0].token_ids == llm.generate([[1, 5, 6, 7]], GREEDY)[0].token_ids
 
 
+@pytest.mark.parametrize("method", ["score", "add_request", "step"])
+def test_a_failure_on_the_loops_thread_reaches_its_caller_and_the_loop_goes_on(llm, monkeypatch, method):
+    """Scoring, adding a request and stepping run on the loop's thread: what fails there is raised to the
+    caller waiting for it (not left waiting on a dead thread), and the loop serves the next call."""
+    prompt = [1, 5, 6, 7]
+    call = (lambda: llm.logits([prompt])) if method == "score" else (lambda: llm.generate([prompt], GREEDY))
+    want = llm.generate([prompt], GREEDY)[0].token_ids
+
+    def fail(*args, **kwargs):
+        raise RuntimeError(f"{method} failed")
+
+    raised = []
+
+    def caller():
+        try:
+            call()
+        except RuntimeError as e:
+            raised.append(str(e))
+
+    with monkeypatch.context() as m:
+        m.setattr(llm.engine, method, fail)
+        waiting = threading.Thread(target=caller, daemon=True)
+        waiting.start()
+        waiting.join(timeout=120)
+    assert not waiting.is_alive(), f"the caller still waits after {method} failed on the loop's thread"
+    assert raised == [f"{method} failed"]
+    assert llm.generate([prompt], GREEDY)[0].token_ids == want
+
+
 def test_a_tiny_temperature_is_greedy(llm):
     greedy = llm.generate([[1, 20, 30]], SamplingParams(max_tokens=6, temperature=0))[0].token_ids
     for t in (1e-38, 1e-6):
