@@ -16,6 +16,9 @@ ROPE_KEYS = {  # rope types jaxinfer computes, and the keys each needs
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
 
+# jnp references (any platform); the C++ kernel for XLA:CPU; the Pallas GPU kernels (jaxinfer.attention)
+ATTENTION_BACKENDS = ("xla", "cpu", "pallas")
+
 
 class ConfigError(ValueError):
     """A config.json jaxinfer cannot serve."""
@@ -190,7 +193,7 @@ class EngineConfig:
     max_num_seqs: int = 32                  # sequences per replica per step
     max_tokens_per_step: int = 256          # token budget per replica per step (rounded up to a power of two)
     prefix_caching: bool = True
-    attention_backend: str | None = None    # "xla" or "pallas"; None: pallas on GPU where it tiles, else xla
+    attention_backend: str | None = None    # ATTENTION_BACKENDS; None: the platform's kernel where it serves
     compilation_cache: bool = True          # compiled programs kept on disk (jaxinfer.compilation_cache)
     overlap: bool = True                    # schedule step k+1 while step k runs (jaxinfer.engine)
     scan_layers: bool | None = None         # one lax.scan per layer stack; None: not for large layers on CPU
@@ -210,8 +213,9 @@ class EngineConfig:
         if not (isinstance(self.memory_fraction, int | float) and 0 < self.memory_fraction <= 1
                 and math.isfinite(self.memory_fraction)):
             raise ValueError(f"memory_fraction={self.memory_fraction!r} must be in (0, 1]")
-        if self.attention_backend not in (None, "xla", "pallas"):
-            raise ValueError(f"attention backend {self.attention_backend!r} is not one of xla, pallas")
+        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
+            raise ValueError(f"attention backend {self.attention_backend!r} is not one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -229,8 +233,9 @@ class EngineConfig:
                        help="token budget per replica per step (chunked prefill)")
         g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                        help="do not share the KV pages of common prompt prefixes")
-        g.add_argument("--attention-backend", default=None, choices=["xla", "pallas"],
-                       help="xla: pure-jnp reference (CPU default); pallas: the Pallas GPU kernels (GPU default)")
+        g.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS,
+                       help="xla: the pure-jnp reference; cpu: the C++ kernel for XLA:CPU (CPU default where a "
+                            "C++ compiler builds it); pallas: the Pallas GPU kernels (GPU default)")
         g.add_argument("--no-overlap", dest="overlap", action="store_false",
                        help="wait for each step's tokens before scheduling the next (for debugging)")
         g.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=d.scan_layers,

@@ -28,7 +28,7 @@ def llm(hf_tiny):
     ("num_pages", 0, "num_pages=0"),
     ("memory_fraction", 0.0, "memory_fraction=0.0 must be in (0, 1]"),
     ("memory_fraction", 1.5, "memory_fraction=1.5"),
-    ("attention_backend", "cuda", "not one of xla, pallas"),
+    ("attention_backend", "cuda", "not one of xla, cpu, pallas"),
     ("max_num_seqs", True, "max_num_seqs=True"),
 ])
 def test_engine_config_is_checked_at_construction(field, value, says):

@@ -41,7 +41,9 @@ def run_python(code: str, target: Path, cwd: Path) -> subprocess.CompletedProces
 def test_installed_files(target):
     pkg = target / "jaxinfer"
     for f in ("__init__.py", "llm.py", "launch.py", "layers.py", "runner.py", "scheduler.py", "batch.py",
-              "attention/__init__.py", "attention/paged.py", "models/__init__.py", "models/base.py",
+              "attention/__init__.py", "attention/paged.py", "attention/cpu.py",
+              "attention/paged_attention_cpu.cc",    # the CPU kernel's source, compiled on first use
+              "models/__init__.py", "models/base.py",
               "models/llama.py", "pallas_kernels/__init__.py", "meshes/__init__.py"):
         assert (pkg / f).is_file(), f
     assert not (target / "models").exists() and not (target / "meshes").exists()    # only under jaxinfer/

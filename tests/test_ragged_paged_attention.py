@@ -1,6 +1,6 @@
 """Ragged paged attention: the jnp reference against a dense per-sequence attention, the Pallas kernel
-against the reference (compiled through Triton on a GPU, interpret mode elsewhere), and the kernel
-cross-lowered for CUDA on an abstract H100."""
+against the reference (compiled through Triton on a GPU, interpret mode elsewhere), the C++ kernel for
+XLA:CPU against the reference, and the Pallas kernel cross-lowered for CUDA on an abstract H100."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer.attention import choose_backend, cpu
 from jaxinfer.pallas_kernels.ragged_paged_attention import (
     merge_partials,
     paged_attention_partial,
@@ -219,6 +220,71 @@ def test_only_padding_gives_zeros():
     inp["query_start"] = jnp.zeros_like(inp["query_start"])
     assert not np.any(np.asarray(run_reference(inp, 0.25)))
     assert not np.any(np.asarray(run_kernel(inp, 0.25, None)))
+    if cpu_devices():
+        assert not np.any(np.asarray(run_cpu_kernel(inp, 0.25)))
+
+
+# ---- the C++ kernel for XLA:CPU (the "cpu" backend, compiled on first use)
+
+def cpu_devices() -> list:
+    try:
+        return jax.devices("cpu")
+    except RuntimeError:                       # JAX_PLATFORMS=cuda: a GPU run of the kernel tests
+        return []
+
+
+on_cpu = pytest.mark.skipif(not cpu_devices(), reason="the C++ kernel runs on CPU devices; JAX_PLATFORMS has none")
+
+
+def run_cpu_kernel(inp: dict, sm_scale: float):
+    f = functools.partial(cpu.ragged_paged_attention, sm_scale=sm_scale)
+    return jax.jit(f)(*jax.device_put([inp[a] for a in ARGS], cpu_devices()[0]))
+
+
+@on_cpu
+@pytest.mark.parametrize("name", [*CASES, "gqa4_mixed_f16"])
+def test_cpu_kernel_matches_reference(name: str):
+    """Every case's ragged mix (decodes, chunks, shared prefixes, long next to short, padding) gives the
+    reference's output; unused table entries, however wild, are never read."""
+    c = CASES.get(name) or dataclasses.replace(CASES["gqa4_mixed"], dtype="float16")
+    inp = make_inputs(c, seed=3)
+    scale = c.head_dim ** -0.5
+    tol = dict(atol=1e-5, rtol=1e-5) if c.dtype == "float32" else dict(atol=3e-2, rtol=3e-2)
+    ref = run_reference(inp, scale)
+    out = run_cpu_kernel(inp, scale)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    np.testing.assert_allclose(np.asarray(out, np.float64), np.asarray(ref, np.float64), **tol)
+    table, lens = np.asarray(inp["page_table"]), np.asarray(inp["seq_lens"])
+    unused = np.arange(table.shape[1])[None, :] >= -(-lens[:, None] // c.page)
+    wild = np.where(np.random.default_rng(0).random(table.shape) < 0.5, -7, 1 << 30).astype(np.int32)
+    out_wild = run_cpu_kernel({**inp, "page_table": jnp.asarray(np.where(unused, wild, table))}, scale)
+    np.testing.assert_array_equal(np.asarray(out_wild, np.float32), np.asarray(out, np.float32))
+
+
+@on_cpu
+def test_cpu_backend_is_the_default_on_cpu_and_checked():
+    assert choose_backend(None, "cpu", head_dim=8, page_size=16) == "cpu"
+    assert choose_backend(None, "cpu", head_dim=8, page_size=16, sp=2) == "xla"   # ring attention
+    assert choose_backend(None, "gpu", head_dim=8, page_size=16) == "xla"         # Triton cannot tile it
+    with pytest.raises(ValueError, match="CPU devices only, not gpu"):
+        choose_backend("cpu", "gpu", head_dim=64, page_size=16)
+    with pytest.raises(ValueError, match="cpu attention backend does not run under sequence parallel"):
+        choose_backend("cpu", "cpu", head_dim=64, page_size=16, sp=2)
+
+
+def test_without_a_compiler_the_cpu_backend_says_why_and_the_default_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAXINFER_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with pytest.raises(cpu.BuildError, match="/nonexistent/c\\+\\+"):
+        cpu.build()
+    monkeypatch.setenv("CXX", "false")           # a compiler that fails
+    with pytest.raises(cpu.BuildError, match="failed"):
+        cpu.build()
+    assert not list(tmp_path.rglob("*.so"))      # nothing half-built left behind
+    monkeypatch.setattr(cpu, "_register", lambda: "no C++ compiler")
+    assert choose_backend(None, "cpu", head_dim=64, page_size=16) == "xla"
+    with pytest.raises(ValueError, match="could not be built: no C\\+\\+ compiler"):
+        choose_backend("cpu", "cpu", head_dim=64, page_size=16)
 
 
 # ---- cross-lowering for CUDA on CPU: proves Triton accepts the kernel's shapes (compiling needs a GPU)

@@ -173,8 +173,20 @@ def test_pallas_backend_in_interpret_mode_matches_xla(hf_tiny, golden):
     np.testing.assert_allclose(pallas.logits([ids])[0], g.logits[1, : len(ids)], atol=1e-4, rtol=0)
 
 
+def test_cpu_kernel_in_the_engine_gives_the_references_tokens(sharded, llama, golden):
+    """The C++ kernel (the CPU default) against the jnp reference in the same engine at dp=2, tp=2: the same
+    tokens for a mixed workload served with requests joining, and the checkpoint's reference logits."""
+    xla = LLM(llama, mesh="dp=2,tp=2", dtype="float32", max_tokens_per_step=32, attention_backend="xla")
+    assert (sharded.engine.runner.backend, xla.engine.runner.backend) == ("cpu", "xla")
+    requests = workload(5)
+    assert serve(sharded, requests) == serve(xla, requests)
+    g = golden("llama")
+    ids = g.prompts[1]
+    np.testing.assert_allclose(sharded.logits([ids])[0], g.logits[1, : len(ids)], atol=1e-4, rtol=0)
+
+
 def test_pallas_backend_refuses_shapes_it_cannot_tile(llama):
     with pytest.raises(ValueError, match="head_dim 8"):        # the llama fixture: head_dim 8
         LLM(llama, dtype="float32", attention_backend="pallas")
-    with pytest.raises(ValueError, match="not one of xla, pallas"):
+    with pytest.raises(ValueError, match="not one of xla, cpu, pallas"):
         LLM(llama, dtype="float32", attention_backend="cuda")

@@ -2,10 +2,12 @@
 
 `attention` = RoPE on q and k, k/v written into their cache pages, then causal attention of each token
 over its own sequence's pages. How it runs is engine configuration, not model code:
-- "xla": the pure-jnp references, the default on CPU;
+- "xla": the pure-jnp references, on any platform;
+- "cpu": a C++ kernel XLA:CPU calls through its FFI (cpu.py), the default on CPU where it builds;
 - "pallas": the Pallas GPU kernels (interpret mode on CPU), the default on GPU where they tile the shapes.
-Both run per device (paged.py). Under sequence parallel (sp > 1) attention is ring.py's: ring attention
-for prefill and decode over KV pages sharded across sp, on the jnp partial-attention reference.
+All run per device (paged.py); RoPE and the cache writes are the references' except under "pallas".
+Under sequence parallel (sp > 1) attention is ring.py's: ring attention for prefill and decode over KV
+pages sharded across sp, on the jnp partial-attention reference.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ from __future__ import annotations
 import chex
 import jax
 
-from jaxinfer.attention import paged, ring
+from jaxinfer.attention import cpu, paged, ring
 from jaxinfer.batch import StepMetadata
+from jaxinfer.config import ATTENTION_BACKENDS
 from jaxinfer.kv_cache import PagedKVCache
 from jaxinfer.sharding import Layout
 
-BACKENDS = ("xla", "pallas")
+BACKENDS = ATTENTION_BACKENDS
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, layer: jax.Array,
@@ -42,17 +45,26 @@ def pallas_supports(head_dim: int, page_size: int) -> bool:
 
 
 def choose_backend(requested: str | None, platform: str, head_dim: int, page_size: int, sp: int = 1) -> str:
-    """The kernels on GPU where they can serve the shapes, else the reference; an explicit choice is checked.
-    Under sp, attention is ring attention over the reference's partials."""
+    """The platform's kernel where it can serve the shapes (Pallas on GPU, the C++ kernel on CPU), else the
+    reference; an explicit choice is checked. Under sp, attention is ring attention over the reference's
+    partials."""
     if requested is None:
-        return "pallas" if platform == "gpu" and sp == 1 and pallas_supports(head_dim, page_size) else "xla"
+        if sp > 1:
+            return "xla"
+        if platform == "gpu" and pallas_supports(head_dim, page_size):
+            return "pallas"
+        return "cpu" if platform == "cpu" and cpu.available() else "xla"
     if requested not in BACKENDS:
         raise ValueError(f"attention backend {requested!r} is not one of {', '.join(BACKENDS)}")
-    if requested == "pallas" and sp > 1:
-        raise ValueError(f"the pallas attention backend does not run under sequence parallel (sp={sp}): "
+    if requested != "xla" and sp > 1:
+        raise ValueError(f"the {requested} attention backend does not run under sequence parallel (sp={sp}): "
                          f"use attention_backend='xla' (ring attention)")
     if requested == "pallas" and not pallas_supports(head_dim, page_size):
         raise ValueError(f"the pallas attention backend needs head_dim and page_size to be powers of two >= 16; "
                          f"this model has head_dim {head_dim} and the cache page_size {page_size}: use "
                          f"attention_backend='xla'")
+    if requested == "cpu" and platform != "cpu":
+        raise ValueError(f"the cpu attention backend runs on CPU devices only, not {platform}")
+    if requested == "cpu" and not cpu.available():
+        raise ValueError(f"the cpu attention kernel could not be built: {cpu.unavailable_reason()}")
     return requested

@@ -11,6 +11,7 @@ import functools
 
 import jax
 
+from jaxinfer.attention import cpu
 from jaxinfer.batch import StepMetadata
 from jaxinfer.kv_cache import POOL_AXES, PagedKVCache
 from jaxinfer.pallas_kernels.ragged_paged_attention import (
@@ -59,8 +60,9 @@ def paged_attention(q: jax.Array, cache: PagedKVCache, layer: jax.Array, meta: S
                     backend: str) -> jax.Array:
     """Causal GQA attention of each token over its own sequence's pages. q: [R, N, H, D] -> [R, N, H, D]."""
     scale = 1.0 / float(q.shape[-1]) ** 0.5
-    kernel = (functools.partial(ragged_paged_attention, sm_scale=scale, interpret=_interpret(layout))
-              if backend == "pallas" else functools.partial(ragged_paged_attention_reference, sm_scale=scale))
+    kernel = {"pallas": functools.partial(ragged_paged_attention, sm_scale=scale, interpret=_interpret(layout)),
+              "cpu": functools.partial(cpu.ragged_paged_attention, sm_scale=scale),
+              "xla": functools.partial(ragged_paged_attention_reference, sm_scale=scale)}[backend]
 
     def local(q, k_pages, v_pages, layer, meta):
         m = jax.tree.map(one_replica, meta)
