@@ -3,8 +3,9 @@
 //
 // Why a kernel of our own on CPU: XLA:CPU runs attention over scattered 16-token pages as many small
 // gathers and matmuls, each a kernel with a fixed cost, so a decode step's attention cost far more than
-// its K/V reads. Here each (query token, kv head) walks its own sequence's pages once, the G query heads
-// of the kv head sharing every K/V row it reads, with an online softmax in float32.
+// its K/V reads. Here each block of a sequence's query tokens walks that sequence's pages once per kv head,
+// its tokens' G query heads sharing every K/V tile it reads, with an online softmax in float32; scores,
+// exponentials and the weighted sum of V run sixteen lanes at a time.
 //
 // Operands: q [N, H, D]; k_pages, v_pages [L, KV, P, page, D] (q's dtype: f32, bf16 or f16); layer,
 // num_seqs: int32 scalars; page_table [S, W], seq_lens [S], query_start [S + 1]: int32.
@@ -87,9 +88,141 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t helpers, const Body&
   progress->cv.wait(lock, [&] { return progress->done == n; });
 }
 
+// exp for x <= 88 in plain arithmetic, so loops over it vectorize (std::exp does not): Cephes' expf,
+// 2^n * e^r with |r| <= ln 2 / 2 and a degree-6 polynomial, within 2 ulp; below -87 it gives ~0.
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
 struct Shape {
   int64_t n, heads, d, layers, kv_heads, pages, page, slots, width;
 };
+
+// Query rows (a token's G heads, for tokens of one sequence) that share each K/V tile read: a prompt chunk
+// reads its context once per block of rows, not once per token.
+constexpr int64_t kBlockRows = 64;
+
+struct Item {
+  int32_t seq, first, tokens, kv_head;
+};
+
+// Keys are taken kTile at a time (one AVX-512 register of float32 scores per query row), whatever the page
+// size: a page of 16 is one tile, of 64 four, of 8 a tile with 8 keys.
+constexpr int64_t kTile = 16;
+
+// Sixteen float32 lanes (GCC/Clang vector extensions: one AVX-512 register, two AVX2 ones, or what the
+// target has), so accumulators stay in registers rather than round-tripping through memory.
+typedef float f32x16 __attribute__((vector_size(64)));
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+constexpr f32x16 kLanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+inline float max16(f32x16 x) {   // a tree of maxima, not a chain of sixteen
+  float a[16];
+  store16(a, x);
+  for (int w = 8; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) a[i] = std::max(a[i], a[i + w]);
+  return a[0];
+}
+
+// exp_approx on sixteen lanes at once (the same arithmetic; rounding by the 1.5 * 2^23 trick).
+inline f32x16 exp16(f32x16 x) {
+  const f32x16 lo = f32x16{} - 87.0f, hi = f32x16{} + 88.0f, magic = f32x16{} + 12582912.0f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const f32x16 n = (x * 1.44269504088896341f + magic) - magic;
+  const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  f32x16 p = f32x16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  return p * reinterpret_cast<const f32x16&>(bits);
+}
+
+// The tile's keys as float32 rows [keys, d]: the cache itself where it is float32, else converted.
+inline const float* as_floats(const float* x, int64_t, float*) { return x; }
+template <typename T>
+const float* as_floats(const T* x, int64_t n, float* buffer) {
+  for (int64_t i = 0; i < n; ++i) buffer[i] = to_float(x[i]);
+  return buffer;
+}
+
+// scores [rows, kTile] = q [rows, d] . k [keys, d]^T (columns past `keys` are left unset). Four rows and
+// more: k transposed once into kt [d, kTile], then four rows at a time, each a register of kTile sums fed
+// by one broadcast per d; fewer rows (a decode token's heads): one dot product per key, no transpose.
+template <typename T>
+void tile_scores(const float* q, int64_t rows, int64_t d, const T* k, int64_t keys, float* kt, float* scores) {
+  if (rows < 4) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < keys; ++c) {
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t x = 0; x < d; ++x) dot += q[r * d + x] * to_float(k[c * d + x]);
+        scores[r * kTile + c] = dot;
+      }
+    return;
+  }
+  for (int64_t c = 0; c < kTile; ++c)
+    for (int64_t x = 0; x < d; ++x) kt[x * kTile + c] = c < keys ? to_float(k[c * d + x]) : 0.f;
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) {   // four rows' sums held in registers across the whole dot product
+    const float *q0 = q + r * d, *q1 = q0 + d, *q2 = q1 + d, *q3 = q2 + d;
+    f32x16 s0{}, s1{}, s2{}, s3{};
+    for (int64_t x = 0; x < d; ++x) {
+      const f32x16 kx = load16(kt + x * kTile);
+      s0 += q0[x] * kx;
+      s1 += q1[x] * kx;
+      s2 += q2[x] * kx;
+      s3 += q3[x] * kx;
+    }
+    store16(scores + r * kTile, s0);
+    store16(scores + (r + 1) * kTile, s1);
+    store16(scores + (r + 2) * kTile, s2);
+    store16(scores + (r + 3) * kTile, s3);
+  }
+  for (; r < rows; ++r) {
+    f32x16 s0{};
+    for (int64_t x = 0; x < d; ++x) s0 += q[r * d + x] * load16(kt + x * kTile);
+    store16(scores + r * kTile, s0);
+  }
+}
+
+// acc [d] = acc * correction + p [seen] . v [seen, d], sixteen columns at a time in a register.
+inline void accumulate(float* acc, int64_t d, float correction, const float* p, const float* v, int64_t seen) {
+  int64_t x0 = 0;
+  for (; x0 + 16 <= d; x0 += 16) {
+    f32x16 part = load16(acc + x0) * correction;
+    for (int64_t c = 0; c < seen; ++c) part += p[c] * load16(v + c * d + x0);
+    store16(acc + x0, part);
+  }
+  for (; x0 < d; ++x0) {
+    float part = acc[x0] * correction;
+    for (int64_t c = 0; c < seen; ++c) part += p[c] * v[c * d + x0];
+    acc[x0] = part;
+  }
+}
 
 template <typename T>
 void attend(const Shape& s, const T* q, const T* k_pages, const T* v_pages, int32_t layer, const int32_t* table,
@@ -100,78 +233,85 @@ void attend(const Shape& s, const T* q, const T* k_pages, const T* v_pages, int3
   layer = std::clamp<int32_t>(layer, 0, static_cast<int32_t>(s.layers) - 1);
   num_seqs = std::clamp<int32_t>(num_seqs, 0, static_cast<int32_t>(s.slots));
 
-  // Each real token's sequence and number of visible keys (its position + 1).
-  std::vector<int32_t> token_seq(s.n, -1), visible(s.n, 0);
+  // Each real token's number of visible keys (its position + 1, as far as the table reaches), and the
+  // work: (sequence, block of its tokens, kv head).
+  std::vector<int32_t> visible(s.n, 0);
+  std::vector<Item> items;
+  const int64_t block_tokens = std::max<int64_t>(1, kBlockRows / group);
   int64_t work = 0;
   for (int32_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t begin = std::clamp<int64_t>(query_start[seq], 0, s.n);
     const int64_t end = std::clamp<int64_t>(query_start[seq + 1], begin, s.n);
-    for (int64_t t = begin; t < end; ++t) {   // keys up to the token's position, as far as the table reaches
-      token_seq[t] = seq;
+    for (int64_t t = begin; t < end; ++t) {
       visible[t] = static_cast<int32_t>(std::clamp<int64_t>(seq_lens[seq] - (end - t) + 1, 0, s.width * page));
       work += visible[t];
     }
+    for (int64_t t = begin; t < end; t += block_tokens)
+      for (int64_t g = 0; g < s.kv_heads; ++g)
+        items.push_back({seq, static_cast<int32_t>(t), static_cast<int32_t>(std::min(block_tokens, end - t)),
+                         static_cast<int32_t>(g)});
   }
 
-  const int64_t items = s.n * s.kv_heads;
   const int64_t layer_stride = s.kv_heads * s.pages * page * d;
-  auto item = [&](int64_t i) {
-    const int64_t t = i / s.kv_heads, g = i % s.kv_heads;
-    const int32_t seq = token_seq[t];
-    const int64_t keys = visible[t];
-    if (seq < 0 || keys == 0) return;
-    const int32_t* row = table + static_cast<int64_t>(seq) * s.width;
-    const T* k_head = k_pages + layer * layer_stride + g * s.pages * page * d;
-    const T* v_head = v_pages + layer * layer_stride + g * s.pages * page * d;
+  auto run = [&](int64_t i) {
+    const Item& it = items[i];
+    const int64_t rows = it.tokens * group;   // row r: token it.first + r / group, head g * group + r % group
+    int64_t most = 0;
+    for (int64_t t = 0; t < it.tokens; ++t) most = std::max<int64_t>(most, visible[it.first + t]);
+    if (most == 0) return;
+    const int32_t* entries = table + static_cast<int64_t>(it.seq) * s.width;
+    const T* k_head = k_pages + layer * layer_stride + it.kv_head * s.pages * page * d;
+    const T* v_head = v_pages + layer * layer_stride + it.kv_head * s.pages * page * d;
 
-    std::vector<float> qf(group * d), acc(group * d, 0.f), score(group * page);
-    std::vector<float> m(group, -std::numeric_limits<float>::infinity()), l(group, 0.f);
-    for (int64_t h = 0; h < group; ++h)
-      for (int64_t x = 0; x < d; ++x) qf[h * d + x] = to_float(q[(t * s.heads + g * group + h) * d + x]) * scale;
+    std::vector<float> qf(rows * d), acc(rows * d, 0.f), kf(kTile * d), vf(kTile * d), sc(rows * kTile);
+    std::vector<float> m(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.f);
+    std::vector<int64_t> row_visible(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t t = it.first + r / group, h = it.kv_head * group + r % group;
+      row_visible[r] = visible[t];
+      for (int64_t x = 0; x < d; ++x) qf[r * d + x] = to_float(q[(t * s.heads + h) * d + x]) * scale;
+    }
 
-    for (int64_t j = 0; j * page < keys; ++j) {
-      const int64_t pid = std::clamp<int64_t>(row[j], 0, s.pages - 1);
-      const int64_t count = std::min(page, keys - j * page);
-      const T* k = k_head + pid * page * d;
-      const T* v = v_head + pid * page * d;
-      for (int64_t h = 0; h < group; ++h) {
-        const float* qh = &qf[h * d];
-        float* sh = &score[h * page];
-        float top = m[h];
-        for (int64_t c = 0; c < count; ++c) {
-          const T* kc = k + c * d;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t x = 0; x < d; ++x) dot += qh[x] * to_float(kc[x]);
-          sh[c] = dot;
-          top = std::max(top, dot);
-        }
-        const float correction = std::exp(m[h] - top);  // 0 on the first page (m = -inf)
-        float* ah = &acc[h * d];
+    for (int64_t start = 0; start < most; start += kTile) {   // kTile keys at a time, within one page
+      const int64_t j = start / page, offset = start % page;
+      const int64_t keys = std::min({kTile, page - offset, most - start});
+      const int64_t pid = std::clamp<int64_t>(entries[j], 0, s.pages - 1);
+      const T* k = k_head + (pid * page + offset) * d;
+      const T* v = v_head + (pid * page + offset) * d;
+      tile_scores(qf.data(), rows, d, k, keys, kf.data(), sc.data());
+      const float* vt = as_floats(v, keys * d, vf.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t seen = std::min(keys, row_visible[r] - start);   // this row's keys in the tile
+        if (seen <= 0) continue;
+        float* p = &sc[r * kTile];
+        const auto visible_lane = kLanes < static_cast<float>(seen);   // a lane mask
+        const f32x16 x = visible_lane ? load16(p) : f32x16{} - std::numeric_limits<float>::infinity();
+        float top = std::max(m[r], max16(x));
+        const f32x16 e = exp16(x - top);
+        const f32x16 masked = visible_lane ? e : f32x16{};
+        store16(p, masked);
         float sum = 0.f;
-        for (int64_t x = 0; x < d; ++x) ah[x] *= correction;
-        for (int64_t c = 0; c < count; ++c) {
-          const float p = std::exp(sh[c] - top);
-          sum += p;
-          const T* vc = v + c * d;
-#pragma omp simd
-          for (int64_t x = 0; x < d; ++x) ah[x] += p * to_float(vc[x]);
-        }
-        l[h] = l[h] * correction + sum;
-        m[h] = top;
+        for (int64_t c = 0; c < kTile; ++c) sum += p[c];
+        const float correction = exp_approx(m[r] - top);   // ~0 on the row's first tile (m = -inf)
+        l[r] = l[r] * correction + sum;
+        m[r] = top;
+        accumulate(&acc[r * d], d, correction, p, vt, seen);
       }
     }
-    for (int64_t h = 0; h < group; ++h) {
-      T* o = out + (t * s.heads + g * group + h) * d;
-      const float inv = 1.f / l[h];
-      for (int64_t x = 0; x < d; ++x) from_float(acc[h * d + x] * inv, o + x);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (l[r] == 0.f) continue;
+      const int64_t t = it.first + r / group, h = it.kv_head * group + r % group;
+      T* o = out + (t * s.heads + h) * d;
+      const float inv = 1.f / l[r];
+      for (int64_t x = 0; x < d; ++x) from_float(acc[r * d + x] * inv, o + x);
     }
   };
   // Threads pay off only past a few hundred thousand multiply-adds (a decode step of short sequences runs
   // faster on the caller alone).
-  const int64_t flops = work * s.heads * d * 2;
-  const int64_t helpers = flops < (1 << 19) ? 0 : std::min<int64_t>(pool.num_threads(), items - 1);
-  parallel_for(pool, items, helpers, item);
+  const int64_t flops = work * s.heads * d * 4;
+  const int64_t count = static_cast<int64_t>(items.size());
+  const int64_t helpers = flops < (1 << 20) ? 0 : std::min<int64_t>(pool.num_threads(), count - 1);
+  parallel_for(pool, count, helpers, run);
 }
 
 ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
