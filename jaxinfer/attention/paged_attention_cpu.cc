@@ -209,17 +209,20 @@ void tile_scores(const float* q, int64_t rows, int64_t d, const T* k, int64_t ke
   }
 }
 
-// acc [d] = acc * correction + p [seen] . v [seen, d], sixteen columns at a time in a register.
-inline void accumulate(float* acc, int64_t d, float correction, const float* p, const float* v, int64_t seen) {
+// acc [d] = acc * correction + p [n] . v [n, d], sixteen columns at a time in a register; N > 0 fixes n
+// at compile time (a whole tile: no per-key branch), N = 0 takes it at run time.
+template <int64_t N>
+void accumulate(float* acc, int64_t d, float correction, const float* p, const float* v, int64_t n) {
+  if constexpr (N > 0) n = N;
   int64_t x0 = 0;
   for (; x0 + 16 <= d; x0 += 16) {
     f32x16 part = load16(acc + x0) * correction;
-    for (int64_t c = 0; c < seen; ++c) part += p[c] * load16(v + c * d + x0);
+    for (int64_t c = 0; c < n; ++c) part += p[c] * load16(v + c * d + x0);
     store16(acc + x0, part);
   }
   for (; x0 < d; ++x0) {
     float part = acc[x0] * correction;
-    for (int64_t c = 0; c < seen; ++c) part += p[c] * v[c * d + x0];
+    for (int64_t c = 0; c < n; ++c) part += p[c] * v[c * d + x0];
     acc[x0] = part;
   }
 }
@@ -295,7 +298,10 @@ void attend(const Shape& s, const T* q, const T* k_pages, const T* v_pages, int3
         const float correction = exp_approx(m[r] - top);   // ~0 on the row's first tile (m = -inf)
         l[r] = l[r] * correction + sum;
         m[r] = top;
-        accumulate(&acc[r * d], d, correction, p, vt, seen);
+        if (keys == kTile)   // p is 0 past the row's own keys
+          accumulate<kTile>(&acc[r * d], d, correction, p, vt, kTile);
+        else
+          accumulate<0>(&acc[r * d], d, correction, p, vt, seen);
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
