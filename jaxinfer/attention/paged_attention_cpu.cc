@@ -14,7 +14,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -88,25 +87,6 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t helpers, const Body&
   progress->cv.wait(lock, [&] { return progress->done == n; });
 }
 
-// exp for x <= 88 in plain arithmetic, so loops over it vectorize (std::exp does not): Cephes' expf,
-// 2^n * e^r with |r| <= ln 2 / 2 and a degree-6 polynomial, within 2 ulp; below -87 it gives ~0.
-inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 struct Shape {
   int64_t n, heads, d, layers, kv_heads, pages, page, slots, width;
 };
@@ -143,7 +123,9 @@ inline float max16(f32x16 x) {   // a tree of maxima, not a chain of sixteen
   return a[0];
 }
 
-// exp_approx on sixteen lanes at once (the same arithmetic; rounding by the 1.5 * 2^23 trick).
+// exp of sixteen lanes for x <= 88 in plain arithmetic, so it vectorizes (std::exp does not): Cephes'
+// expf, 2^n * e^r with |r| <= ln 2 / 2 (n rounded by the 1.5 * 2^23 trick) and a degree-6 polynomial,
+// within 2 ulp; below -87 it gives ~0.
 inline f32x16 exp16(f32x16 x) {
   const f32x16 lo = f32x16{} - 87.0f, hi = f32x16{} + 88.0f, magic = f32x16{} + 12582912.0f;
   x = x < lo ? lo : x;
@@ -158,7 +140,9 @@ inline f32x16 exp16(f32x16 x) {
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
   const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  return p * reinterpret_cast<const f32x16&>(bits);
+  f32x16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);   // 2^n from its exponent bits
+  return p * scale;
 }
 
 // The tile's keys as float32 rows [keys, d]: the cache itself where it is float32, else converted.
@@ -295,7 +279,7 @@ void attend(const Shape& s, const T* q, const T* k_pages, const T* v_pages, int3
         store16(p, masked);
         float sum = 0.f;
         for (int64_t c = 0; c < kTile; ++c) sum += p[c];
-        const float correction = exp_approx(m[r] - top);   // ~0 on the row's first tile (m = -inf)
+        const float correction = exp16(f32x16{} + (m[r] - top))[0];   // ~0 on the row's first tile
         l[r] = l[r] * correction + sum;
         m[r] = top;
         if (keys == kTile)   // p is 0 past the row's own keys
