@@ -28,14 +28,15 @@ from jaxinfer.models.base import Model, register
 LAYER = "model.layers.{layer}."
 W = Any  # a jax.Array once loaded, its spec before; None where the architecture has no such weight
 # G below: the column shards the fused weights are stored in (the tensor-parallel degree; 1 on one device).
-# The input projections (q/k/v, gate/up, the head) keep the checkpoint's [out, in] order, the contraction
-# on their last axis: XLA:CPU runs a product of 8-32 rows 30-40% faster from that layout than from
-# [in, out] (768 -> 4096 at 8 rows: 0.78 against 1.21 ms), and GPUs read either alike.
+# Every projection is stored [in, out] (the checkpoint's [out, in] transposed at load), the contraction on
+# its first axis: from [out, in] XLA:CPU's matmul repacks the whole weight on every call, which at 8 rows
+# took ~45% of a decode step's CPU time (125M model: 8-row decode 223-242 -> 275-277 tok/s, 1 row alike;
+# jaxinfer.bench). GPUs read either order alike.
 
 
 @struct.dataclass
 class Attention:
-    qkv: W              # [G, (H + 2 KV) / G, D, E]: block g = [q, k, v heads of shard g]
+    qkv: W              # [E, G, (H + 2 KV) / G, D]: block g = [q, k, v heads of shard g]
     o: W                # [H, D, E]
     qkv_bias: W = None  # [G, (H + 2 KV) / G, D]
     o_bias: W = None    # [E]
@@ -45,7 +46,7 @@ class Attention:
 
 @struct.dataclass
 class MLP:
-    gate_up: W          # [G, 2 M / G, E]: block g = [gate, up columns of shard g]
+    gate_up: W          # [E, G, 2 M / G]: block g = [gate, up columns of shard g]
     down: W             # [M, E]
     gate_up_bias: W = None  # [G, 2 M / G]
     down_bias: W = None     # [E]
@@ -74,7 +75,7 @@ class Embedding:
 @struct.dataclass
 class Head:
     norm: W             # [E]
-    lm_head: W          # [V, E]
+    lm_head: W          # [E, V]
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -84,10 +85,10 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 
 def rows_times(h: jax.Array, w: jax.Array) -> jax.Array:
-    """h [..., E] times w [*out, E] -> [..., *out]: one 2-D product with w flattened to [out, E] (a free
-    reshape); as an einsum over w's several output axes, XLA:CPU copied w to [E, out] on every step."""
-    y = jnp.einsum("...e,oe->...o", h, w.reshape(-1, w.shape[-1]))
-    return y.reshape(*h.shape[:-1], *w.shape[:-1])
+    """h [..., E] times w [E, *out] -> [..., *out]: one 2-D product with w flattened to [E, out] (a free
+    reshape); as an einsum over w's several output axes, XLA:CPU copied w on every step."""
+    y = jnp.einsum("...e,eo->...o", h, w.reshape(w.shape[0], -1))
+    return y.reshape(*h.shape[:-1], *w.shape[1:])
 
 
 def rope_frequencies(cfg: ModelConfig) -> jax.Array:
@@ -151,9 +152,9 @@ class Llama(Model):
         pad = (0, V) if Vp != V else None
         embed = Embedding(ParamSpec((Vp, E), ("vocab", "embed"), "model.embed_tokens.weight", pad=pad))
         head = Head(norm=ParamSpec((E,), ("embed",), "model.norm.weight"),
-                    lm_head=ParamSpec((Vp, E), ("vocab", "embed"),
+                    lm_head=ParamSpec((E, Vp), ("embed", "vocab"),
                                       "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight",
-                                      pad=pad))
+                                      perm=(1, 0), pad=pad and (1, V)))
         sparse = set(cfg.moe_layers)
         layers = stack_layers(cfg.num_layers, lambda i: i in sparse,
                               lambda moe: self.layer_weights(moe, kv_repeat=kv_repeat, shards=column_shards))
@@ -170,15 +171,16 @@ class Llama(Model):
         cfg = self.cfg
         E, H, KV, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         KVr, a = KV * kv_repeat, LAYER + "self_attn."
-        kv = lambda name: ParamSpec((KVr, D, E), ("kv_heads", "head_dim", "embed"), a + name,  # noqa: E731
-                                    view=((KV, D), (E,)), repeat=(0, kv_repeat))
+        kv = lambda name: ParamSpec((E, KVr, D), ("embed", "kv_heads", "head_dim"), a + name,  # noqa: E731
+                                    view=((KV, D), (E,)), perm=(2, 0, 1), repeat=(1, kv_repeat))
         kv_bias = lambda name: ParamSpec((KVr, D), ("kv_heads", "head_dim"), a + name,  # noqa: E731
                                          view=((KV, D),), repeat=(0, kv_repeat))
-        q = ParamSpec((H, D, E), ("heads", "head_dim", "embed"), a + "q_proj.weight", view=((H, D), (E,)))
+        q = ParamSpec((E, H, D), ("embed", "heads", "head_dim"), a + "q_proj.weight", view=((H, D), (E,)),
+                      perm=(2, 0, 1))
         q_bias = ParamSpec((H, D), ("heads", "head_dim"), a + "q_proj.bias", view=((H, D),))
         by_heads = lambda *parts, axis: FusedSpec(parts, axis=axis, shards=shards)  # noqa: E731  (the heads axis)
         return Attention(
-            qkv=by_heads(q, kv("k_proj.weight"), kv("v_proj.weight"), axis=-3),
+            qkv=by_heads(q, kv("k_proj.weight"), kv("v_proj.weight"), axis=-2),
             o=ParamSpec((H, D, E), ("heads", "head_dim", "embed"), a + "o_proj.weight", view=((E,), (H, D)),
                         perm=(1, 2, 0)),
             qkv_bias=_optional(cfg.qkv_bias, by_heads(q_bias, kv_bias("k_proj.bias"), kv_bias("v_proj.bias"),
@@ -191,9 +193,9 @@ class Llama(Model):
     def mlp_weights(self, shards: int) -> MLP:
         cfg, m = self.cfg, LAYER + "mlp."
         E, M = cfg.hidden_size, cfg.intermediate_size
-        column = lambda name: ParamSpec((M, E), ("mlp", "embed"), m + name)  # noqa: E731
+        column = lambda name: ParamSpec((E, M), ("embed", "mlp"), m + name, perm=(1, 0))  # noqa: E731
         bias = lambda name: ParamSpec((M,), ("mlp",), m + name)  # noqa: E731
-        return MLP(gate_up=FusedSpec((column("gate_proj.weight"), column("up_proj.weight")), axis=-2, shards=shards),
+        return MLP(gate_up=FusedSpec((column("gate_proj.weight"), column("up_proj.weight")), shards=shards),
                    down=ParamSpec((M, E), ("mlp", "embed"), m + "down_proj.weight", perm=(1, 0)),
                    gate_up_bias=_optional(cfg.mlp_bias, FusedSpec((bias("gate_proj.bias"), bias("up_proj.bias")),
                                                                   shards=shards)),
@@ -225,7 +227,7 @@ class Llama(Model):
 
     def head(self, w: Head, h: jax.Array, ctx: StepContext) -> jax.Array:
         h = rms_norm(h, w.norm, self.cfg.rms_norm_eps)
-        return jnp.einsum("...e,ve->...v", h, w.lm_head, preferred_element_type=jnp.float32)
+        return jnp.einsum("...e,ev->...v", h, w.lm_head, preferred_element_type=jnp.float32)
 
     # ---- the block's parts -------------------------------------------------------------------------
     def attention(self, w: Attention, h: jax.Array, cache: PagedKVCache, layer: jax.Array,
@@ -234,7 +236,7 @@ class Llama(Model):
         qkv = rows_times(h, w.qkv)                                              # one matmul for q, k and v
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias
-        groups, cols = w.qkv.shape[:2]
+        groups, cols = w.qkv.shape[1:3]
         q_cols = self.cfg.num_heads // groups                                   # the same in every block
         q, k, v = unfuse(qkv, (q_cols, (cols - q_cols) // 2, (cols - q_cols) // 2), axis=2)
         if w.q_norm is not None:

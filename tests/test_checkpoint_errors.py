@@ -304,35 +304,33 @@ def llama_fixture(hf_tiny):
 
 
 def q_heads(hf: np.ndarray, heads: int) -> np.ndarray:
-    """q/k/v_proj [N*D, E] -> our [N, D, E]."""
+    """q/k/v_proj [N*D, E] -> our [E, N, D]."""
     n_d, e = hf.shape
-    return hf.reshape(heads, n_d // heads, e)
+    return hf.reshape(heads, n_d // heads, e).transpose(2, 0, 1)
 
 
 def test_read_wq_shard(llama_fixture):
     cfg, ckpt, full = llama_fixture
     spec = layer_specs(cfg).attn.qkv.parts[0]
-    got = ckpt.read(spec, (slice(None), slice(2, 4), slice(None), slice(None)))
-    assert got.shape == (cfg.num_layers, 2, cfg.head_dim, cfg.hidden_size)
+    got = ckpt.read(spec, (slice(None), slice(None), slice(2, 4), slice(None)))
+    assert got.shape == (cfg.num_layers, cfg.hidden_size, 2, cfg.head_dim)
     for layer in range(cfg.num_layers):
         q = full[f"model.layers.{layer}.self_attn.q_proj.weight"]            # [H*D, E]
-        want = q.reshape(cfg.num_heads, cfg.head_dim, cfg.hidden_size)[2:4]
-        np.testing.assert_array_equal(got[layer], want)
+        np.testing.assert_array_equal(got[layer], q_heads(q, cfg.num_heads)[:, 2:4])
 
 
 def test_read_wk_replicated_shard(llama_fixture):
     cfg, ckpt, full = llama_fixture
     assert cfg.num_kv_heads == 2
     spec = layer_specs(cfg, kv_repeat=4).attn.qkv.parts[1]                # k: 8 KV heads for tp=8
-    assert spec.shape == (cfg.num_layers, 8, cfg.head_dim, cfg.hidden_size)
-    got = ckpt.read(spec, (slice(1, 3), slice(3, 5), slice(None), slice(None)))
-    assert got.shape == (2, 2, cfg.head_dim, cfg.hidden_size)
+    assert spec.shape == (cfg.num_layers, cfg.hidden_size, 8, cfg.head_dim)
+    got = ckpt.read(spec, (slice(1, 3), slice(None), slice(3, 5), slice(None)))
+    assert got.shape == (2, cfg.hidden_size, 2, cfg.head_dim)
     for i, layer in enumerate((1, 2)):
-        k = full[f"model.layers.{layer}.self_attn.k_proj.weight"]            # [KV*D, E]
-        kv = k.reshape(2, cfg.head_dim, cfg.hidden_size)
+        kv = q_heads(full[f"model.layers.{layer}.self_attn.k_proj.weight"], 2)   # [E, KV, D]
         # replicated heads 3 and 4 are copies of original KV heads 0 (3 // 4) and 1 (4 // 4)
-        np.testing.assert_array_equal(got[i, 0], kv[0])
-        np.testing.assert_array_equal(got[i, 1], kv[1])
+        np.testing.assert_array_equal(got[i, :, 0], kv[:, 0])
+        np.testing.assert_array_equal(got[i, :, 1], kv[:, 1])
 
 
 def test_read_wo_shard(llama_fixture):
@@ -353,10 +351,10 @@ def test_read_mlp_and_vocab_shards(llama_fixture):
     got = ckpt.read(mlp.down, (slice(None), slice(40, 80), slice(None)))
     for layer in range(L):
         np.testing.assert_array_equal(got[layer], full[f"model.layers.{layer}.mlp.down_proj.weight"].T[40:80])
-    got = ckpt.read(mlp.gate_up.parts[0], (slice(0, 1), slice(80, 120), slice(None)))
-    np.testing.assert_array_equal(got[0], full["model.layers.0.mlp.gate_proj.weight"][80:120])
-    got = ckpt.read(specs.head.lm_head, (slice(96, 192), slice(None)))
-    np.testing.assert_array_equal(got, full["lm_head.weight"][96:192])
+    got = ckpt.read(mlp.gate_up.parts[0], (slice(0, 1), slice(None), slice(80, 120)))
+    np.testing.assert_array_equal(got[0], full["model.layers.0.mlp.gate_proj.weight"].T[:, 80:120])
+    got = ckpt.read(specs.head.lm_head, (slice(None), slice(96, 192)))
+    np.testing.assert_array_equal(got, full["lm_head.weight"].T[:, 96:192])
     got = ckpt.read(specs.embed.table, (slice(192, 288), slice(None)))
     np.testing.assert_array_equal(got, full["model.embed_tokens.weight"][192:288])
 
@@ -409,16 +407,16 @@ def test_bf16_fixture_reads_bfloat16(hf_tiny):
     ckpt = Checkpoint(path)
     full = raw_tensors(path / ST)
     specs = weight_specs(cfg)
-    got = ckpt.read(specs.layers[0].weights.attn.qkv.parts[0], (slice(None), slice(1, 3), slice(None), slice(None)))
+    got = ckpt.read(specs.layers[0].weights.attn.qkv.parts[0], (slice(None), slice(None), slice(1, 3), slice(None)))
     assert got.dtype == ml_dtypes.bfloat16
     for layer in range(cfg.num_layers):
-        want = q_heads(full[f"model.layers.{layer}.self_attn.q_proj.weight"], cfg.num_heads)[1:3]
+        want = q_heads(full[f"model.layers.{layer}.self_attn.q_proj.weight"], cfg.num_heads)[:, 1:3]
         assert want.dtype == ml_dtypes.bfloat16
         np.testing.assert_array_equal(got[layer].view(np.uint16), want.view(np.uint16))
     # tied embeddings: the LM head is the embedding
     assert specs.head.lm_head.hf == "model.embed_tokens.weight"
-    got = ckpt.read(specs.head.lm_head, (slice(0, 96), slice(None)))
-    np.testing.assert_array_equal(got.view(np.uint16), full["model.embed_tokens.weight"][:96].view(np.uint16))
+    got = ckpt.read(specs.head.lm_head, (slice(None), slice(0, 96)))
+    np.testing.assert_array_equal(got.view(np.uint16), full["model.embed_tokens.weight"][:96].T.view(np.uint16))
 
 
 def test_read_is_a_memory_map_view(hf_tiny):
@@ -479,20 +477,24 @@ def test_fused_weights_hold_each_devices_columns(fixture, tp, hf_tiny):
     [stack] = params.layers
     w, H, KV, M = stack.weights, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
     attn, mlp = "self_attn.", "mlp."
-    # (fused array, its parts: HF tensor and how many heads (columns) it has); a layer's blocks lead: axis 0
-    fused = [(w.attn.qkv, [(attn + "q_proj.weight", H), (attn + "k_proj.weight", KV), (attn + "v_proj.weight", KV)]),
-             (w.mlp.gate_up, [(mlp + "gate_proj.weight", M), (mlp + "up_proj.weight", M)])]
+    # (fused array, its parts: HF tensor and how many heads (columns) it has, whether it is a weight): a
+    # weight's blocks follow its input axis, [L, E, G, ...]; a bias's lead, [L, G, ...]
+    fused = [(w.attn.qkv, [(attn + "q_proj.weight", H), (attn + "k_proj.weight", KV), (attn + "v_proj.weight", KV)],
+              True), (w.mlp.gate_up, [(mlp + "gate_proj.weight", M), (mlp + "up_proj.weight", M)], True)]
     if cfg.qkv_bias:
         fused.append((w.attn.qkv_bias, [(attn + "q_proj.bias", H), (attn + "k_proj.bias", KV),
-                                        (attn + "v_proj.bias", KV)]))
-    for array, parts in fused:
+                                        (attn + "v_proj.bias", KV)], False))
+    for array, parts, weight in fused:
         assert len(array.addressable_shards) == tp
+        block = 2 if weight else 1
         for shard in array.addressable_shards:
-            [g] = range(*shard.index[1].indices(tp))                   # one block per device: its shard
+            [g] = range(*shard.index[block].indices(tp))               # one block per device: its shard
             for layer in range(cfg.num_layers):
-                got = np.asarray(shard.data)[layer, 0]
+                got = np.take(np.asarray(shard.data)[layer], 0, axis=block - 1)
                 want = np.concatenate([hf_columns(tensors, f"model.layers.{layer}.{name}", heads, g, tp)
                                        for name, heads in parts])
+                if weight:                                             # HF [out, E] -> ours [E, out]
+                    want = np.moveaxis(want, -1, 0)
                 np.testing.assert_array_equal(got, want.reshape(got.shape), err_msg=f"{parts} on device {g}")
 
 

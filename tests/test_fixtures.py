@@ -76,9 +76,9 @@ def test_vocabulary_not_divisible_by_tp_is_padded(tmp_path):
     path = write_random_checkpoint(tmp_path / "odd", {**DEFAULT, "vocab_size": 270, "num_hidden_layers": 2})
     single, sharded = LLM(path, dtype="float32"), LLM(path, mesh="tp=4", dtype="float32")
     lm_head, table = np.asarray(sharded.weights.head.lm_head), np.asarray(sharded.weights.embed.table)
-    assert lm_head.shape[0] == table.shape[0] == 272
-    assert not lm_head[270:].any() and not table[270:].any()                     # the padding rows are zeros
-    np.testing.assert_array_equal(lm_head[:270], np.asarray(single.weights.head.lm_head))
+    assert lm_head.shape[1] == table.shape[0] == 272                             # lm_head [E, V], table [V, E]
+    assert not lm_head[:, 270:].any() and not table[270:].any()                  # the padding rows are zeros
+    np.testing.assert_array_equal(lm_head[:, :270], np.asarray(single.weights.head.lm_head))
     ids = [[1, 5, 9, 269, 100], [1, 2]]
     for a, b in zip(single.logits(ids), sharded.logits(ids), strict=True):
         assert a.shape == b.shape == (a.shape[0], 270)

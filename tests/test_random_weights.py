@@ -19,10 +19,10 @@ def leaves(llm: LLM) -> dict[str, jax.Array]:
 
 
 def q_and_k(qkv: np.ndarray, heads: int) -> tuple[np.ndarray, np.ndarray]:
-    """The q and k parts of a fused qkv weight [layers, G, (H + 2 KV) / G, D, E], [layers, heads, D, E] each."""
-    groups, cols = qkv.shape[1:3]
+    """The q and k parts of a fused qkv weight [layers, E, G, (H + 2 KV) / G, D], [layers, E, heads, D] each."""
+    groups, cols = qkv.shape[2:4]
     kv_cols = (cols - heads // groups) // 2
-    q, k, _ = unfuse(qkv, (heads // groups, kv_cols, kv_cols), axis=1)
+    q, k, _ = unfuse(qkv, (heads // groups, kv_cols, kv_cols), axis=2)
     return np.asarray(q), np.asarray(k)
 
 
@@ -46,9 +46,9 @@ def test_layout_matches_the_checkpoint_loader(mesh: str):
             np.testing.assert_array_equal(a[w != 0], 1.0)
     q, k = q_and_k(np.asarray(drawn["layers.0.weights.attn.qkv"]), SMALL_VOCAB["num_attention_heads"])
     if mesh == "tp=8":   # replicated KV heads are consecutive copies, as np.repeat makes them on load
-        assert k.shape[1] == 2 * SMALL_VOCAB["num_key_value_heads"]    # [layers, KV * 2, D, E]
-        np.testing.assert_array_equal(k[:, 0::2], k[:, 1::2])
-        assert not np.array_equal(k[:, 0], k[:, 2])
+        assert k.shape[2] == 2 * SMALL_VOCAB["num_key_value_heads"]    # [layers, E, KV * 2, D]
+        np.testing.assert_array_equal(k[:, :, 0::2], k[:, :, 1::2])
+        assert not np.array_equal(k[:, :, 0], k[:, :, 2])
         assert drawn["embed.table"].shape[0] == 264
     q = q[np.any(q != 0, axis=(1, 2, 3))]                     # the real layer slots; HF q_proj: std 1/sqrt(E)
     np.testing.assert_allclose(q.std(), 1 / np.sqrt(DEFAULT["hidden_size"]), rtol=0.05)
