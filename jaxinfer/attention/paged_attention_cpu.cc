@@ -115,12 +115,37 @@ inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 constexpr f32x16 kLanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
-inline float max16(f32x16 x) {   // a tree of maxima, not a chain of sixteen
-  float a[16];
-  store16(a, x);
-  for (int w = 8; w >= 1; w /= 2)
-    for (int i = 0; i < w; ++i) a[i] = std::max(a[i], a[i + w]);
-  return a[0];
+// The largest lane and the sum of the lanes: trees of halving shuffles, not chains of sixteen.
+inline float max16(f32x16 x) {
+  x = x > __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)
+          ? x : __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x = x > __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11)
+          ? x : __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  x = x > __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13)
+          ? x : __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  return std::max(x[0], x[1]);
+}
+inline float sum16(f32x16 x) {
+  x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  return x[0] + x[1];
+}
+
+// Sixteen vectors of partial sums -> one vector whose lane c is the sum of v[c]'s lanes: four rounds
+// that each add neighbouring pairs while interleaving two vectors into one (15 adds, 30 shuffles).
+inline f32x16 transpose_sums16(f32x16* v) {
+  for (int i = 0; i < 8; ++i)
+    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  for (int i = 0; i < 4; ++i)
+    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  return __builtin_shufflevector(v[0], v[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(v[0], v[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
 }
 
 // exp of sixteen lanes for x <= 88 in plain arithmetic, so it vectorizes (std::exp does not): Cephes'
@@ -155,9 +180,20 @@ const float* as_floats(const T* x, int64_t n, float* buffer) {
 
 // scores [rows, kTile] = q [rows, d] . k [keys, d]^T (columns past `keys` are left unset). Four rows and
 // more: k transposed once into kt [d, kTile], then four rows at a time, each a register of kTile sums fed
-// by one broadcast per d; fewer rows (a decode token's heads): one dot product per key, no transpose.
+// by one broadcast per d; fewer rows (a decode token's heads), no transpose: per row, each key's products
+// summed sixteen columns at a time into a register, the sixteen registers then summed lane-wise at once.
 template <typename T>
 void tile_scores(const float* q, int64_t rows, int64_t d, const T* k, int64_t keys, float* kt, float* scores) {
+  if (rows < 4 && d % 16 == 0) {
+    const float* kf = as_floats(k, keys * d, kt);
+    for (int64_t r = 0; r < rows; ++r) {
+      f32x16 v[kTile] = {};
+      for (int64_t c = 0; c < keys; ++c)
+        for (int64_t x = 0; x < d; x += 16) v[c] += load16(q + r * d + x) * load16(kf + c * d + x);
+      store16(scores + r * kTile, transpose_sums16(v));
+    }
+    return;
+  }
   if (rows < 4) {
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < keys; ++c) {
@@ -277,8 +313,7 @@ void attend(const Shape& s, const T* q, const T* k_pages, const T* v_pages, int3
         const f32x16 e = exp16(x - top);
         const f32x16 masked = visible_lane ? e : f32x16{};
         store16(p, masked);
-        float sum = 0.f;
-        for (int64_t c = 0; c < kTile; ++c) sum += p[c];
+        const float sum = sum16(masked);
         const float correction = exp16(f32x16{} + (m[r] - top))[0];   // ~0 on the row's first tile
         l[r] = l[r] * correction + sum;
         m[r] = top;
