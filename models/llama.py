@@ -154,7 +154,7 @@ class Llama(Model):
         head = Head(norm=ParamSpec((E,), ("embed",), "model.norm.weight"),
                     lm_head=ParamSpec((E, Vp), ("embed", "vocab"),
                                       "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight",
-                                      perm=(1, 0), pad=pad and (1, V)))
+                                      perm=(1, 0), pad=(1, V) if Vp != V else None))
         sparse = set(cfg.moe_layers)
         layers = stack_layers(cfg.num_layers, lambda i: i in sparse,
                               lambda moe: self.layer_weights(moe, kv_repeat=kv_repeat, shards=column_shards))
