@@ -115,20 +115,23 @@ inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 constexpr f32x16 kLanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
+// The lanes swapped in halves, quarters and eighths: the steps of a tree over sixteen lanes.
+inline f32x16 swap8(f32x16 x) { return __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7); }
+inline f32x16 swap4(f32x16 x) { return __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11); }
+inline f32x16 swap2(f32x16 x) { return __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13); }
+inline f32x16 vmax(f32x16 a, f32x16 b) { return a > b ? a : b; }
+
 // The largest lane and the sum of the lanes: trees of halving shuffles, not chains of sixteen.
 inline float max16(f32x16 x) {
-  x = x > __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)
-          ? x : __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  x = x > __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11)
-          ? x : __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  x = x > __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13)
-          ? x : __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  x = vmax(x, swap8(x));
+  x = vmax(x, swap4(x));
+  x = vmax(x, swap2(x));
   return std::max(x[0], x[1]);
 }
 inline float sum16(f32x16 x) {
-  x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  x += swap8(x);
+  x += swap4(x);
+  x += swap2(x);
   return x[0] + x[1];
 }
 
