@@ -3,7 +3,7 @@
 Layout [layers, kv_heads, pages, page_size, head_dim]: a page of one KV head is one contiguous
 [page_size, head_dim] tile (what a GPU kernel loads), KV heads shard over tp, and the pages axis over
 dp, so each data-parallel replica owns its own slice of the pool and indexes it with local page ids.
-The host side (free list, reference counts, prefix cache) is jaxinfer/page_pool.py.
+The host side (free pages and their placement, reference counts, prefix cache) is jaxinfer/page_pool.py.
 """
 
 from __future__ import annotations

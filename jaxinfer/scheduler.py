@@ -288,7 +288,7 @@ class Scheduler:
     def _grow(self, r: Request, n: int) -> bool:
         """Give r the pages that n more tokens need."""
         need = -(-(r.scheduled + n) // self.pool.page_size) - len(r.pages)
-        pages = self.pool.allocate(need, first=len(r.pages)) if need > 0 else []
+        pages = self.pool.allocate(need, r.pages) if need > 0 else []
         if pages is None:
             return False
         if pages:

@@ -53,9 +53,29 @@ def test_release_returns_uncached_pages_to_free():
     pool = PagePool(4, P)
     pages = pool.allocate(4)
     pool.release([pages[2], pages[0]])
-    assert pool.free == [2, 0] and pool.refs == [0, 1, 0, 1] and pool.available == 2
-    assert pool.allocate(2) == [0, 2]                      # pop() takes the last released first
+    assert pool.free == [0, 2] and pool.refs == [0, 1, 0, 1] and pool.available == 2
+    assert pool.allocate(2) == [0, 2]                      # page 1 is taken, so page 0 is followed by page 2
     assert not pool.evictable and not pool.cached
+
+
+def test_growing_sequences_keep_their_pages_consecutive():
+    pool = PagePool(64, P)
+    seqs = [pool.allocate(2) for _ in range(8)]            # eight prompts, then all grow in lockstep
+    for _ in range(4):
+        seqs = [pages + pool.allocate(1, pages) for pages in seqs]
+    for pages in seqs:
+        assert pages == list(range(pages[0], pages[0] + 6))
+    assert seqs[0][0] == 0 and len({p for pages in seqs for p in pages}) == 48
+
+
+def test_a_sequence_that_cannot_follow_its_last_page_starts_a_new_run_in_the_largest_gap():
+    pool = PagePool(16, P)
+    a = pool.allocate(4)                                   # 0-3: the rank's first run starts at its first page
+    b = pool.allocate(2)                                   # centred in 4-15: room behind a and after b
+    assert a == [0, 1, 2, 3] and b == [9, 10]
+    c = pool.allocate(4, b)                                # follows b
+    assert c == [11, 12, 13, 14] and pool.allocate(2, a) == [4, 5]
+    assert pool.allocate(2, c) == [15, 7]                  # past the rank's end: the centre of the run 6-8
 
 
 def test_releasing_too_often_asserts():
@@ -80,13 +100,13 @@ def test_lookups_of_a_shared_prefix_share_pages():
     assert list(pool.evictable) == [pages[2]] and pool.available == 2 + 1
     pool.release(b)                                        # only now do the first two pages become evictable
     assert pool.refs[:3] == [0, 0, 0] and list(pool.evictable) == [pages[2], pages[0], pages[1]]
-    assert pool.free == [4, 3] and pool.available == 5
+    assert pool.free == [3, 4] and pool.available == 5
 
 
 def test_cached_pages_go_to_evictable_not_free():
     pool, pages, keys = _cached_pool(4, list(range(8)))
     pool.release(pages)
-    assert pool.free == [3, 2] and list(pool.evictable) == pages
+    assert pool.free == [2, 3] and list(pool.evictable) == pages
     assert pool.cached == {keys[0]: 0, keys[1]: 1} and pool.hash_of == {0: keys[0], 1: keys[1]}
 
 
@@ -104,7 +124,8 @@ def test_eviction_takes_free_pages_first_then_least_recently_released():
     for page in (owned[1], owned[0], owned[2]):            # release order: 1, 0, 2
         pool.release([page])
     assert list(pool.evictable) == [owned[1], owned[0], owned[2]]
-    assert pool.allocate(2) == [3, 4]                      # the free pages go first, nothing is evicted
+    free = pool.free
+    assert len(free) == 2 and pool.allocate(2) == free     # the free pages go first, nothing is evicted
     assert len(pool.cached) == 3
     assert pool.allocate(1) == [owned[1]]                  # then the least recently released
     assert page_hashes(seqs[1], P)[0] not in pool.cached and owned[1] not in pool.hash_of
@@ -149,7 +170,7 @@ def test_register_is_first_writer_wins():
     pool.register(a, other)                                # a page keeps its first key
     assert pool.cached == {key: a} and pool.hash_of == {a: key}
     pool.release([a, b])
-    assert pool.free == [3, 2, b] and list(pool.evictable) == [a]
+    assert pool.free == [b, 2, 3] and list(pool.evictable) == [a]
 
 
 def test_no_prefix_caching_caches_nothing():

@@ -42,8 +42,9 @@ def test_pages_of_a_sequence_go_round_the_ranks_and_each_rank_runs_out_on_its_ow
     pool = PagePool(8, page_size=4, ranks=4)                   # 2 pages per rank: ids 2k, 2k + 1 on rank k
     a = pool.allocate(5)
     assert [pool.rank_of(p) for p in a] == [0, 1, 2, 3, 0]
-    assert pool.allocate(1, first=1) == [3]                    # rank 1's last page
-    assert pool.allocate(2, first=1) is None and pool.allocate(1, first=4) is None  # ranks 1 and 0 are full
+    assert a == [0, 2, 4, 6, 1]                                 # page 4 follows page 0 on rank 0
+    assert pool.allocate(1, a[:1]) == [3]                       # rank 1's last page
+    assert pool.allocate(2, a[:1]) is None and pool.allocate(1, a[:4]) is None  # ranks 1 and 0 are full
     assert pool.available == 2                                  # while ranks 2 and 3 have a page each
     pool.release(a)
     assert pool.available == 7 and sorted(pool.free) == [0, 1, 2, 4, 5, 6, 7]
@@ -59,7 +60,7 @@ def test_a_cached_page_keeps_its_rank_and_evicts_on_its_own_rank():
     pool.release(pages)                                         # all three cached, none referenced
     assert pool.lookup(keys[:2]) == pages[:2]                   # page i of the hit is on rank i mod 2
     pool.release(pages[:2])
-    fresh = pool.allocate(2, first=1)                           # rank 1 then rank 0: rank 0 evicts its LRU page
+    fresh = pool.allocate(2, pages[:1])                         # rank 1 then rank 0: rank 0 evicts its LRU page
     assert [pool.rank_of(p) for p in fresh] == [1, 0] and fresh[1] == pages[2]
     assert keys[2] not in pool.cached and pool.lookup(keys[:2]) == pages[:2]
 
