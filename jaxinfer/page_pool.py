@@ -87,11 +87,12 @@ class PagePool:
             need[i % self.ranks] += 1
         if any(c > f + len(e) for c, f, e in zip(need, self.free_count, self.evictable_by_rank, strict=True)):
             return None
-        pages = list(held)
+        base = max(0, first - self.ranks)
+        pages = [int(p) for p in held[base:]]            # page i is pages[i - base]: those new pages may follow
         for i in range(first, first + n):
             rank = i % self.ranks
             if self.free_count[rank]:
-                after = int(pages[i - self.ranks]) + 1 if i >= self.ranks else -1
+                after = pages[i - self.ranks - base] + 1 if i >= self.ranks else -1
                 follows = 0 <= after < (rank + 1) * self.per_rank and self.is_free[after]
                 page = after if follows else self._place(rank, need[rank])
                 self.is_free[page] = False
@@ -102,7 +103,7 @@ class PagePool:
             need[rank] -= 1
             self.refs[page] = 1
             pages.append(page)
-        return pages[first:]
+        return pages[first - base:]
 
     def _place(self, rank: int, n: int) -> int:
         """Where n pages with no page to follow begin on `rank`: in its longest run of free pages, at the run's
