@@ -50,10 +50,16 @@ def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([lo, hi], axis=-1).astype(x.dtype)
 
 
+def cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of the rotary angles, [N, D/2] each in float32."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq.astype(jnp.float32)[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
 def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotary embedding of x [N, heads, D] at `positions` [N], in x's dtype (computed in float32)."""
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq.astype(jnp.float32)[None, :]   # [N, D/2]
-    return _rope(x, jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :])
+    cos, sin = cos_sin(positions, inv_freq)
+    return _rope(x, cos[:, None, :], sin[:, None, :])
 
 
 def write_pages(k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array | int, k: jax.Array, v: jax.Array,

@@ -20,6 +20,7 @@ from jaxinfer.pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention_reference,
     together_pays,
 )
+from jaxinfer.pallas_kernels.rope_cache import rope_and_write_reference
 
 INTERPRET = jax.default_backend() != "gpu"   # JAX_PLATFORMS=cuda runs the kernel for real
 pytestmark = pytest.mark.usefixtures("float32_dots_exact")
@@ -261,6 +262,72 @@ def test_cpu_kernel_matches_reference(name: str):
     wild = np.where(np.random.default_rng(0).random(table.shape) < 0.5, -7, 1 << 30).astype(np.int32)
     out_wild = run_cpu_kernel({**inp, "page_table": jnp.asarray(np.where(unused, wild, table))}, scale)
     np.testing.assert_array_equal(np.asarray(out_wild, np.float32), np.asarray(out, np.float32))
+
+
+def step_tokens(inp: dict, c: Case, rng: np.random.Generator) -> dict:
+    """The step's new k and v [N, KV, D] (unrotated), each token's position and flat cache slot (padding
+    tokens: position 0 and the slot past the pool), and the model's inv_freq."""
+    dt = jnp.dtype(c.dtype)
+    qs, lens, table = (np.asarray(inp[a]) for a in ("query_start", "seq_lens", "page_table"))
+    positions, slots = np.zeros(c.tokens, np.int32), np.full(c.tokens, c.num_pages * c.page, np.int32)
+    for s in range(len(c.seqs)):
+        pos = lens[s] - (qs[s + 1] - qs[s]) + np.arange(qs[s + 1] - qs[s])
+        positions[qs[s]:qs[s + 1]] = pos
+        slots[qs[s]:qs[s + 1]] = table[s, pos // c.page] * c.page + pos % c.page
+    k, v = (jnp.asarray(rng.standard_normal((c.tokens, c.kv_heads, c.head_dim)), dt) for _ in range(2))
+    inv_freq = jnp.asarray(1e4 ** -(np.arange(0, c.head_dim, 2) / c.head_dim), jnp.float32)
+    return dict(k=k, v=v, positions=jnp.asarray(positions), slots=jnp.asarray(slots), inv_freq=inv_freq)
+
+
+@on_cpu
+@pytest.mark.parametrize("name", ["gqa4_mixed", "long_mixed", "decode_shape", "gqa4_bf16", "prompts_wide"])
+def test_cpu_rope_write_attend_matches_references(name: str):
+    """The engine's one call per layer on CPU = RoPE and the K/V writes (rope_and_write_reference), then the
+    attention reference over the written pools; padding tokens write nothing; with the pools donated
+    they are updated in place. prompts_wide: a prompt step's size, with the 125M model's head_dim."""
+    wide = Case([(200, 230), (40, 40)], heads=8, kv_heads=4, head_dim=64, tokens=256, slots=3, num_pages=24)
+    c = CASES.get(name, wide)
+    inp = make_inputs(c, seed=5)
+    new = step_tokens(inp, c, np.random.default_rng(6))
+    scale = c.head_dim ** -0.5
+    q_rot, k_ref, v_ref = jax.jit(rope_and_write_reference)(
+        inp["q"], new["k"], new["v"], inp["k_pages"], inp["v_pages"], inp["layer"], new["positions"], new["slots"],
+        new["inv_freq"])
+    ref = run_reference({**inp, "q": q_rot, "k_pages": k_ref, "v_pages": v_ref}, scale)
+
+    def fused(q, k, v, k_pages, v_pages):
+        return cpu.rope_write_attend(q, k, v, k_pages, v_pages, inp["layer"], new["positions"], new["slots"],
+                                     new["inv_freq"], inp["page_table"], inp["seq_lens"], inp["query_start"],
+                                     inp["num_seqs"], sm_scale=scale)
+
+    args = lambda: [jnp.copy(jax.device_put(x, cpu_devices()[0]))  # noqa: E731
+                    for x in (inp["q"], new["k"], new["v"], inp["k_pages"], inp["v_pages"])]
+    tol = dict(atol=1e-5, rtol=1e-5) if c.dtype == "float32" else dict(atol=3e-2, rtol=3e-2)
+    f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # noqa: E731
+    for donate in ((), (3, 4)):
+        a = args()
+        out, k_pages, v_pages = jax.jit(fused, donate_argnums=donate)(*a)
+        np.testing.assert_allclose(f64(out), f64(ref), **tol)
+        np.testing.assert_allclose(f64(k_pages), f64(k_ref), **tol)
+        np.testing.assert_array_equal(f64(v_pages), f64(v_ref))
+        assert all(x.is_deleted() for x in a[3:]) == bool(donate)
+    written = np.zeros(f64(k_ref).shape, bool)
+    layer, real = int(inp["layer"]), np.asarray(new["slots"]) < c.num_pages * c.page
+    slots = np.asarray(new["slots"])[real]
+    written[layer, :, slots // c.page, slots % c.page] = True
+    np.testing.assert_array_equal(f64(k_pages)[~written], f64(inp["k_pages"])[~written])   # nothing else moved
+
+
+@on_cpu
+def test_cpu_rope_write_attend_refuses_disagreeing_shapes():
+    c = CASES["decode_shape"]
+    inp = make_inputs(c)
+    new = step_tokens(inp, c, np.random.default_rng(0))
+    with pytest.raises(Exception, match="rope, write and attend: operand shapes or dtypes disagree"):
+        jax.block_until_ready(cpu.rope_write_attend(
+            inp["q"], new["k"][:, :1], new["v"][:, :1], inp["k_pages"], inp["v_pages"], inp["layer"],
+            new["positions"], new["slots"], new["inv_freq"], inp["page_table"], inp["seq_lens"], inp["query_start"],
+            inp["num_seqs"], sm_scale=0.25))
 
 
 @on_cpu

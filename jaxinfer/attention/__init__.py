@@ -5,7 +5,8 @@ over its own sequence's pages. How it runs is engine configuration, not model co
 - "xla": the pure-jnp references, on any platform;
 - "cpu": a C++ kernel XLA:CPU calls through its FFI (cpu.py), the default on CPU where it builds;
 - "pallas": the Pallas GPU kernels (interpret mode on CPU), the default on GPU where they tile the shapes.
-All run per device (paged.py); RoPE and the cache writes are the references' except under "pallas".
+All run per device (paged.py); RoPE and the cache writes are the references' under "xla", a kernel of
+their own under "pallas", and part of the attention kernel's one call per layer under "cpu".
 Under sequence parallel (sp > 1) attention is ring.py's: ring attention for prefill and decode over KV
 pages sharded across sp, on the jnp partial-attention reference.
 """
@@ -35,6 +36,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, lay
     chex.assert_equal_shape([cache.k, cache.v])
     if layout.axis_size("seq") > 1:
         return ring.attention(q, k, v, cache, layer, inv_freq, meta, layout)
+    if backend == "cpu":
+        return paged.rope_write_attend(q, k, v, cache, layer, meta, inv_freq, layout)
     q, cache = paged.rope_and_store(q, k, v, cache, layer, meta, inv_freq, layout, backend)
     return paged.paged_attention(q, cache, layer, meta, layout, backend), cache
 

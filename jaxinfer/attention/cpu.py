@@ -3,7 +3,9 @@
 XLA:CPU runs the jnp reference over 16-token pages as dozens of small gathers and matmuls per layer, each
 at a fixed cost, so a decode step's attention cost far more than its K/V reads (and its kernels a third
 of a step's compile time). The kernel (paged_attention_cpu.cc) walks each sequence's pages once per
-query token and kv head, on XLA's intra-op threads when the step is large enough.
+block of its query tokens and kv head, on XLA's intra-op threads when the step is large enough. The engine
+calls it as `rope_write_attend`: RoPE, the K/V writes and attention in one call per layer, the pools
+updated in place.
 
 It is compiled on first use with the host's C++ compiler (`$CXX`, else `c++`) against the FFI headers of
 the jaxlib that runs it, for this machine's instruction set, and kept in $JAXINFER_CACHE/kernels under a
@@ -26,10 +28,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxinfer.pallas_kernels.rope_cache import cos_sin
 from jaxinfer.random_model import cache_dir
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.cc")
-TARGET = "jaxinfer_ragged_paged_attention"
+TARGETS = {"jaxinfer_ragged_paged_attention": "RaggedPagedAttention", "jaxinfer_rope_write_attend": "RopeWriteAttend"}
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp-simd", "-shared", "-fPIC")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -77,7 +80,8 @@ def _register() -> str | None:
     """Builds, loads and registers the kernel once per process; the reason it cannot, or None."""
     try:
         library = ctypes.cdll.LoadLibrary(str(build()))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.RaggedPagedAttention), platform="cpu")
+        for target, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
     except (BuildError, OSError, AttributeError) as e:
         log.warning("the cpu attention kernel is unavailable, using the jnp reference: %s", e)
         return str(e)
@@ -98,7 +102,28 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     """The contract of `ragged_paged_attention_reference` (without return_lse), on one CPU device."""
     if reason := _register():
         raise BuildError(reason)
-    i32 = functools.partial(jax.numpy.asarray, dtype=np.int32)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(q, k_pages, v_pages, i32(layer), i32(page_table), i32(seq_lens), i32(query_start), i32(num_seqs),
+    call = jax.ffi.ffi_call("jaxinfer_ragged_paged_attention", jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return call(q, k_pages, v_pages, *map(_i32, (layer, page_table, seq_lens, query_start, num_seqs)),
                 sm_scale=np.float32(sm_scale))
+
+
+def rope_write_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                      layer: jax.Array, positions: jax.Array, slots: jax.Array, inv_freq: jax.Array,
+                      page_table: jax.Array, seq_lens: jax.Array, query_start: jax.Array, num_seqs: jax.Array, *,
+                      sm_scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A layer's attention in one call on one CPU device: `rope_and_write_reference` (q, k unrotated), then
+    `ragged_paged_attention_reference` over the written pools -> (out, k_pages, v_pages). The pools are
+    aliased to the results, so a pool the caller no longer holds (donated, or a loop's carry) is written
+    in place."""
+    if reason := _register():
+        raise BuildError(reason)
+    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+               jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype))
+    call = jax.ffi.ffi_call("jaxinfer_rope_write_attend", results, input_output_aliases={3: 1, 4: 2})
+    cos, sin = cos_sin(positions, inv_freq)   # XLA's cos and sin, vectorized (the reference's own)
+    return call(q, k, v, k_pages, v_pages, _i32(layer), _i32(slots), cos, sin,
+                *map(_i32, (page_table, seq_lens, query_start, num_seqs)), sm_scale=np.float32(sm_scale))
+
+
+def _i32(x) -> jax.Array:
+    return jax.numpy.asarray(x, dtype=np.int32)

@@ -61,7 +61,6 @@ def paged_attention(q: jax.Array, cache: PagedKVCache, layer: jax.Array, meta: S
     """Causal GQA attention of each token over its own sequence's pages. q: [R, N, H, D] -> [R, N, H, D]."""
     scale = 1.0 / float(q.shape[-1]) ** 0.5
     kernel = {"pallas": functools.partial(ragged_paged_attention, sm_scale=scale, interpret=_interpret(layout)),
-              "cpu": functools.partial(cpu.ragged_paged_attention, sm_scale=scale),
               "xla": functools.partial(ragged_paged_attention_reference, sm_scale=scale)}[backend]
 
     def local(q, k_pages, v_pages, layer, meta):
@@ -71,3 +70,22 @@ def paged_attention(q: jax.Array, cache: PagedKVCache, layer: jax.Array, meta: S
 
     return layout.shard_map(local, in_axes=(Q, POOL_AXES, POOL_AXES, None, META_AXES), out_axes=Q,
                             check_vma=False)(q, cache.k, cache.v, layer, meta)
+
+
+def rope_write_attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, layer: jax.Array,
+                      meta: StepMetadata, inv_freq: jax.Array, layout: Layout) -> tuple[jax.Array, PagedKVCache]:
+    """The "cpu" backend: rope_and_store and paged_attention as one kernel call per layer (cpu.py)."""
+    scale = 1.0 / float(q.shape[-1]) ** 0.5
+
+    def local(q, k, v, k_pages, v_pages, layer, meta, inv_freq):
+        m = jax.tree.map(one_replica, meta)
+        out, k_pages, v_pages = cpu.rope_write_attend(
+            *map(one_replica, (q, k, v)), k_pages, v_pages, layer, m.positions, m.slots, inv_freq, m.page_table,
+            m.seq_lens, m.query_start, m.num_seqs, sm_scale=scale)
+        return out[None], k_pages, v_pages
+
+    out, k_pages, v_pages = layout.shard_map(
+        local, in_axes=(Q, KV, KV, POOL_AXES, POOL_AXES, None, META_AXES, None), out_axes=(Q, POOL_AXES, POOL_AXES),
+        check_vma=False,
+    )(q, k, v, cache.k, cache.v, layer, meta, inv_freq)
+    return out, PagedKVCache(k=k_pages, v=v_pages)

@@ -11,6 +11,14 @@
 // num_seqs: int32 scalars; page_table [S, W], seq_lens [S], query_start [S + 1]: int32.
 // Result: [N, H, D] in q's dtype; tokens of no sequence, and tokens that see no key, are 0.
 // Every index read from an operand is clamped, so a bad table cannot read outside the pool.
+//
+// RopeWriteAttend is the whole of a layer's attention in one call, the contract of
+// pallas_kernels/rope_cache.py's reference followed by the one above: q and k unrotated, k and v [N, KV, D],
+// each token's flat cache slot [N] (int32) and the cos and sin of its rotary angles [N, D / 2] (f32, as
+// the reference computes them) besides; it rotates q and k, writes k and v into the pools (results 2 and
+// 3, aliased to the pool operands, so updated in place; a slot outside the pool writes nothing) and
+// attends. One call instead of a dozen small XLA operations per layer, each of which costs more to launch
+// than its work on a decode step.
 
 #include <algorithm>
 #include <atomic>
@@ -90,6 +98,37 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t helpers, const Body&
 struct Shape {
   int64_t n, heads, d, layers, kv_heads, pages, page, slots, width;
 };
+
+// Rotary embedding (Hugging Face "rotate half") as the reference rounds it: x1 * c - x2 * s and
+// x2 * c + x1 * s in float32, cast once to T; cos and sin [N, D / 2] per token. Null: q arrives rotated.
+struct Rope {
+  const float* cos = nullptr;
+  const float* sin = nullptr;
+};
+
+template <typename T>
+void rotate(const T* x, int64_t d, const float* cos, const float* sin, T* out) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
+    from_float(x1 * cos[i] - x2 * sin[i], out + i);
+    from_float(x2 * cos[i] + x1 * sin[i], out + i + half);
+  }
+}
+
+// Token t's k (rotated) and v into flat slot slots[t] = page * P + offset of `layer`; slots outside the pool
+// (padding) write nothing.
+template <typename T>
+void write_kv(const Shape& s, int64_t t, const T* k, const T* v, const int32_t* slots, int32_t layer,
+              const Rope& rope, T* k_pages, T* v_pages) {
+  const int64_t d = s.d, half = d / 2, slot = slots[t];
+  if (slot < 0 || slot >= s.pages * s.page) return;
+  for (int64_t g = 0; g < s.kv_heads; ++g) {
+    const int64_t at = (((layer * s.kv_heads + g) * s.pages + slot / s.page) * s.page + slot % s.page) * d;
+    rotate(k + (t * s.kv_heads + g) * d, d, rope.cos + t * half, rope.sin + t * half, k_pages + at);
+    std::copy(v + (t * s.kv_heads + g) * d, v + (t * s.kv_heads + g + 1) * d, v_pages + at);
+  }
+}
 
 // Query rows (a token's G heads, for tokens of one sequence) that share each K/V tile read: a prompt chunk
 // reads its context once per block of rows, not once per token.
@@ -250,10 +289,11 @@ void accumulate(float* acc, int64_t d, float correction, const float* p, const f
   }
 }
 
+// Attention of every real token over its sequence's pages (q rotated first where rope.cos is set).
 template <typename T>
 void attend(const Shape& s, const T* q, const T* k_pages, const T* v_pages, int32_t layer, const int32_t* table,
             const int32_t* seq_lens, const int32_t* query_start, int32_t num_seqs, float scale, T* out,
-            ffi::ThreadPool& pool) {
+            ffi::ThreadPool& pool, const Rope& rope = {}) {
   const int64_t group = s.heads / s.kv_heads, d = s.d, page = s.page;
   std::fill(out, out + s.n * s.heads * d, T{});
   layer = std::clamp<int32_t>(layer, 0, static_cast<int32_t>(s.layers) - 1);
@@ -292,10 +332,16 @@ void attend(const Shape& s, const T* q, const T* k_pages, const T* v_pages, int3
     std::vector<float> qf(rows * d), acc(rows * d, 0.f), kf(kTile * d), vf(kTile * d), sc(rows * kTile);
     std::vector<float> m(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.f);
     std::vector<int64_t> row_visible(rows);
+    std::vector<T> rotated(rope.cos != nullptr ? d : 0);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t t = it.first + r / group, h = it.kv_head * group + r % group;
       row_visible[r] = visible[t];
-      for (int64_t x = 0; x < d; ++x) qf[r * d + x] = to_float(q[(t * s.heads + h) * d + x]) * scale;
+      const T* row = q + (t * s.heads + h) * d;
+      if (rope.cos != nullptr) {
+        rotate(row, d, rope.cos + t * (d / 2), rope.sin + t * (d / 2), rotated.data());
+        row = rotated.data();
+      }
+      for (int64_t x = 0; x < d; ++x) qf[r * d + x] = to_float(row[x]) * scale;
     }
 
     for (int64_t start = 0; start < most; start += kTile) {   // kTile keys at a time, within one page
@@ -342,39 +388,87 @@ void attend(const Shape& s, const T* q, const T* k_pages, const T* v_pages, int3
   parallel_for(pool, count, helpers, run);
 }
 
-ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
-                                    ffi::AnyBuffer v_pages, ffi::BufferR0<ffi::S32> layer,
-                                    ffi::BufferR2<ffi::S32> page_table, ffi::BufferR1<ffi::S32> seq_lens,
-                                    ffi::BufferR1<ffi::S32> query_start, ffi::BufferR0<ffi::S32> num_seqs,
-                                    float sm_scale, ffi::Result<ffi::AnyBuffer> out) {
+// Runs f(T{}) with T the element type of a float32, bfloat16 or float16 buffer.
+template <typename F>
+ffi::Error by_dtype(ffi::DataType type, F&& f) {
+  switch (type) {
+    case ffi::DataType::F32:
+      f(float{});
+      return ffi::Error::Success();
+    case ffi::DataType::BF16:
+      f(BF16{});
+      return ffi::Error::Success();
+    case ffi::DataType::F16:
+      f(_Float16{});
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("ragged paged attention runs f32, bf16 and f16");
+  }
+}
+
+template <typename T>
+T* data(ffi::AnyBuffer& b) { return static_cast<T*>(b.untyped_data()); }
+
+// The attention operands' shape, or why they disagree.
+ffi::ErrorOr<Shape> attention_shape(ffi::AnyBuffer& q, ffi::AnyBuffer& k_pages, ffi::AnyBuffer& v_pages,
+                                    ffi::BufferR2<ffi::S32>& page_table, ffi::BufferR1<ffi::S32>& seq_lens,
+                                    ffi::BufferR1<ffi::S32>& query_start, ffi::AnyBuffer& out) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), td = page_table.dimensions();
   if (qd.size() != 3 || kd.size() != 5) return ffi::Error::InvalidArgument("q must be rank 3 and the pages rank 5");
   const Shape s{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], kd[3], td[0], td[1]};
   if (kd[4] != s.d || s.kv_heads <= 0 || s.heads % s.kv_heads != 0 || s.page <= 0 || s.pages <= 0 ||
       seq_lens.dimensions()[0] != s.slots || query_start.dimensions()[0] != s.slots + 1 ||
-      !std::equal(kd.begin(), kd.end(), v_pages.dimensions().begin(), v_pages.dimensions().end()) || k_pages.element_type() != q.element_type() ||
-      v_pages.element_type() != q.element_type() || out->element_type() != q.element_type())
+      !std::equal(kd.begin(), kd.end(), v_pages.dimensions().begin(), v_pages.dimensions().end()) ||
+      k_pages.element_type() != q.element_type() || v_pages.element_type() != q.element_type() ||
+      out.element_type() != q.element_type())
     return ffi::Error::InvalidArgument("ragged paged attention: operand shapes or dtypes disagree");
-  const int32_t lyr = *layer.typed_data(), seqs = *num_seqs.typed_data();
-  const int32_t *tab = page_table.typed_data(), *lens = seq_lens.typed_data(), *qs = query_start.typed_data();
-  switch (q.element_type()) {
-    case ffi::DataType::F32:
-      attend(s, q.typed_data<float>(), k_pages.typed_data<float>(), v_pages.typed_data<float>(), lyr, tab, lens, qs,
-             seqs, sm_scale, out->typed_data<float>(), pool);
-      return ffi::Error::Success();
-    case ffi::DataType::BF16:
-      attend(s, static_cast<const BF16*>(q.untyped_data()), static_cast<const BF16*>(k_pages.untyped_data()),
-             static_cast<const BF16*>(v_pages.untyped_data()), lyr, tab, lens, qs, seqs, sm_scale,
-             static_cast<BF16*>(out->untyped_data()), pool);
-      return ffi::Error::Success();
-    case ffi::DataType::F16:
-      attend(s, static_cast<const _Float16*>(q.untyped_data()), static_cast<const _Float16*>(k_pages.untyped_data()),
-             static_cast<const _Float16*>(v_pages.untyped_data()), lyr, tab, lens, qs, seqs, sm_scale,
-             static_cast<_Float16*>(out->untyped_data()), pool);
-      return ffi::Error::Success();
-    default:
-      return ffi::Error::InvalidArgument("ragged paged attention runs f32, bf16 and f16");
-  }
+  return s;
+}
+
+ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                                    ffi::AnyBuffer v_pages, ffi::BufferR0<ffi::S32> layer,
+                                    ffi::BufferR2<ffi::S32> page_table, ffi::BufferR1<ffi::S32> seq_lens,
+                                    ffi::BufferR1<ffi::S32> query_start, ffi::BufferR0<ffi::S32> num_seqs,
+                                    float sm_scale, ffi::Result<ffi::AnyBuffer> out) {
+  const auto s = attention_shape(q, k_pages, v_pages, page_table, seq_lens, query_start, *out);
+  if (s.has_error()) return s.error();
+  return by_dtype(q.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    attend(*s, data<T>(q), data<T>(k_pages), data<T>(v_pages), *layer.typed_data(), page_table.typed_data(),
+           seq_lens.typed_data(), query_start.typed_data(), *num_seqs.typed_data(), sm_scale, data<T>(*out), pool);
+  });
+}
+
+ffi::Error RopeWriteAttendImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                               ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::BufferR0<ffi::S32> layer,
+                               ffi::BufferR1<ffi::S32> slots, ffi::BufferR2<ffi::F32> cos,
+                               ffi::BufferR2<ffi::F32> sin, ffi::BufferR2<ffi::S32> page_table,
+                               ffi::BufferR1<ffi::S32> seq_lens, ffi::BufferR1<ffi::S32> query_start,
+                               ffi::BufferR0<ffi::S32> num_seqs, float sm_scale, ffi::Result<ffi::AnyBuffer> out,
+                               ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
+  const auto s = attention_shape(q, k_pages, v_pages, page_table, seq_lens, query_start, *out);
+  if (s.has_error()) return s.error();
+  const auto kd = k.dimensions();
+  if (kd.size() != 3 || kd[0] != s->n || kd[1] != s->kv_heads || kd[2] != s->d || s->d % 2 != 0 ||
+      !std::equal(kd.begin(), kd.end(), v.dimensions().begin(), v.dimensions().end()) ||
+      k.element_type() != q.element_type() || v.element_type() != q.element_type() ||
+      slots.dimensions()[0] != s->n || cos.dimensions()[0] != s->n || cos.dimensions()[1] != s->d / 2 ||
+      sin.dimensions()[0] != s->n || sin.dimensions()[1] != s->d / 2 ||
+      k_out->size_bytes() != k_pages.size_bytes() || v_out->size_bytes() != v_pages.size_bytes())
+    return ffi::Error::InvalidArgument("rope, write and attend: operand shapes or dtypes disagree");
+  if (k_out->untyped_data() != k_pages.untyped_data())   // the pools are aliased; were they not, copy them
+    std::memcpy(k_out->untyped_data(), k_pages.untyped_data(), k_pages.size_bytes());
+  if (v_out->untyped_data() != v_pages.untyped_data())
+    std::memcpy(v_out->untyped_data(), v_pages.untyped_data(), v_pages.size_bytes());
+  const Rope rope{cos.typed_data(), sin.typed_data()};
+  const int32_t lyr = std::clamp<int32_t>(*layer.typed_data(), 0, static_cast<int32_t>(s->layers) - 1);
+  return by_dtype(q.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    for (int64_t t = 0; t < s->n; ++t)
+      write_kv(*s, t, data<T>(k), data<T>(v), slots.typed_data(), lyr, rope, data<T>(*k_out), data<T>(*v_out));
+    attend(*s, data<T>(q), data<T>(*k_out), data<T>(*v_out), lyr, page_table.typed_data(), seq_lens.typed_data(),
+           query_start.typed_data(), *num_seqs.typed_data(), sm_scale, data<T>(*out), pool, rope);
+  });
 }
 
 }  // namespace
@@ -391,4 +485,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedPagedAttention, RaggedPagedAttentionImpl,
                                   .Arg<ffi::BufferR1<ffi::S32>>()
                                   .Arg<ffi::BufferR0<ffi::S32>>()
                                   .Attr<float>("sm_scale")
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RopeWriteAttend, RopeWriteAttendImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Arg<ffi::BufferR1<ffi::S32>>()
+                                  .Arg<ffi::BufferR2<ffi::F32>>()
+                                  .Arg<ffi::BufferR2<ffi::F32>>()
+                                  .Arg<ffi::BufferR2<ffi::S32>>()
+                                  .Arg<ffi::BufferR1<ffi::S32>>()
+                                  .Arg<ffi::BufferR1<ffi::S32>>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Attr<float>("sm_scale")
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
