@@ -32,9 +32,10 @@ Why each number is what it is:
   decode step is also given apart: prefill chunks pack more tokens, so at long context the average over
   all steps mixes in the prompt's many chunks.
 - XLA floor (jaxinfer.xla_floor): the same weights and decode shapes through a plain jitted forward (no
-  engine, no KV cache, no attention, the argmax fed back on device), 32 calls timed after each of the
-  three measured generates (alternating, so both sides see the same machine); the fastest engine run
-  and the fastest floor timing are reported; "of floor" = decode tok/s / floor tok/s, the engine's
+  engine, no KV cache, no attention, the argmax fed back on device), as many calls as a run has decode
+  steps timed after each of the three measured generates (alternating, so both sides see the same
+  machine, and for as long, so neither best of three has more chances at a quiet moment); the fastest
+  engine run and the fastest floor timing are reported; "of floor" = decode tok/s / floor tok/s, the engine's
   efficiency against what the matmuls cost here.
 - --vs transformers vllm: the same checkpoint directory, token-id prompts (bench_peers.bench_prompts), batch
   sizes, lengths and dtype through another engine, greedy with EOS ignored, each peer in a child process
@@ -213,7 +214,7 @@ def bench_batch(llm, batch: int, prompt_len: int, max_tokens: int, seed: int, ba
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     llm.generate(warmup, params)  # other tokens than the measured prompts: no prefix-cache hits
     compile_seconds = llm.engine.stats.compile_seconds
-    time_floor, runs, floors = decode_floor(llm.engine, batch), [], []
+    time_floor, runs, floors = decode_floor(llm.engine, batch, steps=max(1, max_tokens - 1)), [], []
     for _ in range(repeats):
         llm.engine.reset_prefix_cache()   # each measured run prefills its prompts afresh
         before, load_before = llm.engine.stats.copy(), llm.engine.expert_load.total
