@@ -45,15 +45,25 @@ def rope_and_store(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache
               else rope_and_write_reference)
 
     def local(q, k, v, k_pages, v_pages, layer, meta, inv_freq):
-        q, k_pages, v_pages = kernel(*map(one_replica, (q, k, v)), k_pages, v_pages, layer,
-                                     one_replica(meta.positions), one_replica(meta.slots), inv_freq)
-        return q[None], k_pages, v_pages
+        return kernel(q, k, v, k_pages, v_pages, layer, meta.positions, meta.slots, inv_freq)
 
-    q, k_pages, v_pages = layout.shard_map(
-        local, in_axes=(Q, KV, KV, POOL_AXES, POOL_AXES, None, META_AXES, None), out_axes=(Q, POOL_AXES, POOL_AXES),
+    return _per_device(local, q, k, v, cache, layer, meta, inv_freq, layout)
+
+
+def _per_device(local, q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, layer: jax.Array,
+                meta: StepMetadata, inv_freq: jax.Array, layout: Layout) -> tuple[jax.Array, PagedKVCache]:
+    """local(q, k, v, k_pages, v_pages, layer, meta, inv_freq) -> (q or attention output, k_pages, v_pages) on
+    each device's share: its replica's row of q, k, v and meta, its heads and its pages."""
+    def row(q, k, v, k_pages, v_pages, layer, meta, inv_freq):
+        out, k_pages, v_pages = local(*map(one_replica, (q, k, v)), k_pages, v_pages, layer,
+                                      jax.tree.map(one_replica, meta), inv_freq)
+        return out[None], k_pages, v_pages
+
+    out, k_pages, v_pages = layout.shard_map(
+        row, in_axes=(Q, KV, KV, POOL_AXES, POOL_AXES, None, META_AXES, None), out_axes=(Q, POOL_AXES, POOL_AXES),
         check_vma=False,
     )(q, k, v, cache.k, cache.v, layer, meta, inv_freq)
-    return q, PagedKVCache(k=k_pages, v=v_pages)
+    return out, PagedKVCache(k=k_pages, v=v_pages)
 
 
 def paged_attention(q: jax.Array, cache: PagedKVCache, layer: jax.Array, meta: StepMetadata, layout: Layout,
@@ -77,15 +87,8 @@ def rope_write_attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCa
     """The "cpu" backend: rope_and_store and paged_attention as one kernel call per layer (cpu.py)."""
     scale = 1.0 / float(q.shape[-1]) ** 0.5
 
-    def local(q, k, v, k_pages, v_pages, layer, meta, inv_freq):
-        m = jax.tree.map(one_replica, meta)
-        out, k_pages, v_pages = cpu.rope_write_attend(
-            *map(one_replica, (q, k, v)), k_pages, v_pages, layer, m.positions, m.slots, inv_freq, m.page_table,
-            m.seq_lens, m.query_start, m.num_seqs, sm_scale=scale)
-        return out[None], k_pages, v_pages
+    def local(q, k, v, k_pages, v_pages, layer, m, inv_freq):
+        return cpu.rope_write_attend(q, k, v, k_pages, v_pages, layer, m.positions, m.slots, inv_freq, m.page_table,
+                                     m.seq_lens, m.query_start, m.num_seqs, sm_scale=scale)
 
-    out, k_pages, v_pages = layout.shard_map(
-        local, in_axes=(Q, KV, KV, POOL_AXES, POOL_AXES, None, META_AXES, None), out_axes=(Q, POOL_AXES, POOL_AXES),
-        check_vma=False,
-    )(q, k, v, cache.k, cache.v, layer, meta, inv_freq)
-    return out, PagedKVCache(k=k_pages, v=v_pages)
+    return _per_device(local, q, k, v, cache, layer, meta, inv_freq, layout)

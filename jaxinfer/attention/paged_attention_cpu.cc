@@ -116,17 +116,20 @@ void rotate(const T* x, int64_t d, const float* cos, const float* sin, T* out) {
   }
 }
 
-// Token t's k (rotated) and v into flat slot slots[t] = page * P + offset of `layer`; slots outside the pool
-// (padding) write nothing.
+// Each token t's k (rotated) and v into flat slot slots[t] = page * P + offset of `layer`; slots outside the
+// pool (padding) write nothing.
 template <typename T>
-void write_kv(const Shape& s, int64_t t, const T* k, const T* v, const int32_t* slots, int32_t layer,
-              const Rope& rope, T* k_pages, T* v_pages) {
-  const int64_t d = s.d, half = d / 2, slot = slots[t];
-  if (slot < 0 || slot >= s.pages * s.page) return;
-  for (int64_t g = 0; g < s.kv_heads; ++g) {
-    const int64_t at = (((layer * s.kv_heads + g) * s.pages + slot / s.page) * s.page + slot % s.page) * d;
-    rotate(k + (t * s.kv_heads + g) * d, d, rope.cos + t * half, rope.sin + t * half, k_pages + at);
-    std::copy(v + (t * s.kv_heads + g) * d, v + (t * s.kv_heads + g + 1) * d, v_pages + at);
+void write_kv(const Shape& s, const T* k, const T* v, const int32_t* slots, int32_t layer, const Rope& rope,
+              T* k_pages, T* v_pages) {
+  const int64_t d = s.d, half = d / 2;
+  for (int64_t t = 0; t < s.n; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0 || slot >= s.pages * s.page) continue;
+    for (int64_t g = 0; g < s.kv_heads; ++g) {
+      const int64_t at = (((layer * s.kv_heads + g) * s.pages + slot / s.page) * s.page + slot % s.page) * d;
+      rotate(k + (t * s.kv_heads + g) * d, d, rope.cos + t * half, rope.sin + t * half, k_pages + at);
+      std::copy(v + (t * s.kv_heads + g) * d, v + (t * s.kv_heads + g + 1) * d, v_pages + at);
+    }
   }
 }
 
@@ -456,16 +459,13 @@ ffi::Error RopeWriteAttendImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyB
       sin.dimensions()[0] != s->n || sin.dimensions()[1] != s->d / 2 ||
       k_out->size_bytes() != k_pages.size_bytes() || v_out->size_bytes() != v_pages.size_bytes())
     return ffi::Error::InvalidArgument("rope, write and attend: operand shapes or dtypes disagree");
-  if (k_out->untyped_data() != k_pages.untyped_data())   // the pools are aliased; were they not, copy them
-    std::memcpy(k_out->untyped_data(), k_pages.untyped_data(), k_pages.size_bytes());
-  if (v_out->untyped_data() != v_pages.untyped_data())
-    std::memcpy(v_out->untyped_data(), v_pages.untyped_data(), v_pages.size_bytes());
+  if (k_out->untyped_data() != k_pages.untyped_data() || v_out->untyped_data() != v_pages.untyped_data())
+    return ffi::Error::InvalidArgument("rope, write and attend: the pools must be aliased to results 2 and 3");
   const Rope rope{cos.typed_data(), sin.typed_data()};
   const int32_t lyr = std::clamp<int32_t>(*layer.typed_data(), 0, static_cast<int32_t>(s->layers) - 1);
   return by_dtype(q.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    for (int64_t t = 0; t < s->n; ++t)
-      write_kv(*s, t, data<T>(k), data<T>(v), slots.typed_data(), lyr, rope, data<T>(*k_out), data<T>(*v_out));
+    write_kv(*s, data<T>(k), data<T>(v), slots.typed_data(), lyr, rope, data<T>(*k_out), data<T>(*v_out));
     attend(*s, data<T>(q), data<T>(*k_out), data<T>(*v_out), lyr, page_table.typed_data(), seq_lens.typed_data(),
            query_start.typed_data(), *num_seqs.typed_data(), sm_scale, data<T>(*out), pool, rope);
   });
