@@ -243,12 +243,16 @@ def run_cpu_kernel(inp: dict, sm_scale: float):
 
 
 @on_cpu
-@pytest.mark.parametrize("name", [*CASES, "gqa4_mixed_f16", "gqa4_mixed_hd24"])
+@pytest.mark.parametrize("name", [*CASES, "gqa4_mixed_f16", "gqa4_mixed_hd24", "gqa4_mixed_hd48",
+                                  "gqa4_mixed_hd80", "gqa4_mixed_page8"])
 def test_cpu_kernel_matches_reference(name: str):
     """Every case's ragged mix (decodes, chunks, shared prefixes, long next to short, padding) gives the
-    reference's output; unused table entries, however wild, are never read. Also float16, and a head_dim
-    that is not a multiple of the kernel's 16 lanes (its scalar paths)."""
-    extra = {"gqa4_mixed_f16": dict(dtype="float16"), "gqa4_mixed_hd24": dict(head_dim=24)}
+    reference's output; unused table entries, however wild, are never read. Also float16; a head_dim that
+    is not a multiple of the kernel's 16 lanes (its scalar paths); head_dims of three and of five registers
+    (64 columns at a time, then the rest); pages of 8, half a tile of keys."""
+    extra = {"gqa4_mixed_f16": dict(dtype="float16"), "gqa4_mixed_hd24": dict(head_dim=24),
+             "gqa4_mixed_hd48": dict(head_dim=48), "gqa4_mixed_hd80": dict(head_dim=80),
+             "gqa4_mixed_page8": dict(page=8, num_pages=128, max_pages=40)}
     c = CASES.get(name) or dataclasses.replace(CASES["gqa4_mixed"], **extra[name])
     inp = make_inputs(c, seed=3)
     scale = c.head_dim ** -0.5

@@ -5,7 +5,8 @@
 // gathers and matmuls, each a kernel with a fixed cost, so a decode step's attention cost far more than
 // its K/V reads. Here each block of a sequence's query tokens walks that sequence's pages once per kv head,
 // its tokens' G query heads sharing every K/V tile it reads, with an online softmax in float32; scores,
-// exponentials and the weighted sum of V run sixteen lanes at a time.
+// exponentials and the weighted sum of V run sixteen lanes at a time, the sum up to four rows at once so that
+// each V row is read once for all of them.
 //
 // Operands: q [N, H, D]; k_pages, v_pages [L, KV, P, page, D] (q's dtype: f32, bf16 or f16); layer,
 // num_seqs: int32 scalars; page_table [S, W], seq_lens [S], query_start [S + 1]: int32.
@@ -22,6 +23,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -274,21 +276,64 @@ void tile_scores(const float* q, int64_t rows, int64_t d, const T* k, int64_t ke
   }
 }
 
-// acc [d] = acc * correction + p [n] . v [n, d], sixteen columns at a time in a register; N > 0 fixes n
-// at compile time (a whole tile: no per-key branch), N = 0 takes it at run time.
-template <int64_t N>
-void accumulate(float* acc, int64_t d, float correction, const float* p, const float* v, int64_t n) {
-  if constexpr (N > 0) n = N;
-  int64_t x0 = 0;
-  for (; x0 + 16 <= d; x0 += 16) {
-    f32x16 part = load16(acc + x0) * correction;
-    for (int64_t c = 0; c < n; ++c) part += p[c] * load16(v + c * d + x0);
-    store16(acc + x0, part);
+// acc [R, d] = acc * correction + p [R, kTile] . v [keys, d] for R (1-4) rows at once, C (1-4) registers of
+// sixteen columns: each V row read once for all R rows, the R x C sums held in registers across the tile.
+template <int R, int C>
+void accumulate_block(float* acc, int64_t d, const float* correction, const float* p, const float* v, int64_t keys) {
+  f32x16 a[R][C];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) a[r][c] = load16(acc + r * d + 16 * c) * correction[r];
+  for (int64_t j = 0; j < keys; ++j) {
+    f32x16 vj[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) vj[c] = load16(v + j * d + 16 * c);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const float pr = p[r * kTile + j];
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) a[r][c] += pr * vj[c];
+    }
   }
-  for (; x0 < d; ++x0) {
-    float part = acc[x0] * correction;
-    for (int64_t c = 0; c < n; ++c) part += p[c] * v[c * d + x0];
-    acc[x0] = part;
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) store16(acc + r * d + 16 * c, a[r][c]);
+}
+
+template <int R>
+void accumulate_rows(float* acc, int64_t d, const float* correction, const float* p, const float* v, int64_t keys) {
+  int64_t x = 0;
+  for (; x + 64 <= d; x += 64) accumulate_block<R, 4>(acc + x, d, correction, p, v + x, keys);
+  switch ((d - x) / 16) {
+    case 3: accumulate_block<R, 3>(acc + x, d, correction, p, v + x, keys); break;
+    case 2: accumulate_block<R, 2>(acc + x, d, correction, p, v + x, keys); break;
+    case 1: accumulate_block<R, 1>(acc + x, d, correction, p, v + x, keys); break;
+    default: break;
+  }
+}
+
+// acc [rows, d] = acc * correction + p [rows, kTile] . v [keys, d], p 0 past each row's own keys. A head_dim
+// that is not a multiple of sixteen takes plain loops.
+void accumulate(float* acc, int64_t rows, int64_t d, const float* correction, const float* p, const float* v,
+                int64_t keys) {
+  if (d % 16 != 0) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t x = 0; x < d; ++x) {
+        float part = acc[r * d + x] * correction[r];
+        for (int64_t j = 0; j < keys; ++j) part += p[r * kTile + j] * v[j * d + x];
+        acc[r * d + x] = part;
+      }
+    return;
+  }
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) accumulate_rows<4>(acc + r * d, d, correction + r, p + r * kTile, v, keys);
+  switch (rows - r) {
+    case 3: accumulate_rows<3>(acc + r * d, d, correction + r, p + r * kTile, v, keys); break;
+    case 2: accumulate_rows<2>(acc + r * d, d, correction + r, p + r * kTile, v, keys); break;
+    case 1: accumulate_rows<1>(acc + r * d, d, correction + r, p + r * kTile, v, keys); break;
+    default: break;
   }
 }
 
@@ -333,7 +378,7 @@ void attend(const Shape& s, const T* q, const T* k_pages, const T* v_pages, int3
     const T* v_head = v_pages + layer * layer_stride + it.kv_head * s.pages * page * d;
 
     std::vector<float> qf(rows * d), acc(rows * d, 0.f), kf(kTile * d), vf(kTile * d), sc(rows * kTile);
-    std::vector<float> m(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.f);
+    std::vector<float> m(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.f), correction(rows);
     std::vector<int64_t> row_visible(rows);
     std::vector<T> rotated(rope.cos != nullptr ? d : 0);
     for (int64_t r = 0; r < rows; ++r) {
@@ -347,33 +392,32 @@ void attend(const Shape& s, const T* q, const T* k_pages, const T* v_pages, int3
       for (int64_t x = 0; x < d; ++x) qf[r * d + x] = to_float(row[x]) * scale;
     }
 
-    for (int64_t start = 0; start < most; start += kTile) {   // kTile keys at a time, within one page
+    for (int64_t start = 0, keys; start < most; start += keys) {   // up to kTile keys at a time, within one page
       const int64_t j = start / page, offset = start % page;
-      const int64_t keys = std::min({kTile, page - offset, most - start});
+      keys = std::min({kTile, page - offset, most - start});
       const int64_t pid = std::clamp<int64_t>(entries[j], 0, s.pages - 1);
       const T* k = k_head + (pid * page + offset) * d;
       const T* v = v_head + (pid * page + offset) * d;
       tile_scores(qf.data(), rows, d, k, keys, kf.data(), sc.data());
       const float* vt = as_floats(v, keys * d, vf.data());
-      for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t r = 0; r < rows; ++r) {   // scores -> this tile's weights, and the rescale of what came before
         const int64_t seen = std::min(keys, row_visible[r] - start);   // this row's keys in the tile
-        if (seen <= 0) continue;
         float* p = &sc[r * kTile];
+        if (seen <= 0) {
+          store16(p, f32x16{});
+          correction[r] = 1.f;
+          continue;
+        }
         const auto visible_lane = kLanes < static_cast<float>(seen);   // a lane mask
         const f32x16 x = visible_lane ? load16(p) : f32x16{} - std::numeric_limits<float>::infinity();
-        float top = std::max(m[r], max16(x));
-        const f32x16 e = exp16(x - top);
-        const f32x16 masked = visible_lane ? e : f32x16{};
-        store16(p, masked);
-        const float sum = sum16(masked);
-        const float correction = exp16(f32x16{} + (m[r] - top))[0];   // ~0 on the row's first tile
-        l[r] = l[r] * correction + sum;
+        const float top = std::max(m[r], max16(x));
+        const f32x16 e = exp16(x - top), w = visible_lane ? e : f32x16{};
+        store16(p, w);
+        correction[r] = top == m[r] ? 1.f : std::exp(m[r] - top);   // 0 on the row's first tile
+        l[r] = l[r] * correction[r] + sum16(w);
         m[r] = top;
-        if (keys == kTile)   // p is 0 past the row's own keys
-          accumulate<kTile>(&acc[r * d], d, correction, p, vt, kTile);
-        else
-          accumulate<0>(&acc[r * d], d, correction, p, vt, seen);
       }
+      accumulate(acc.data(), rows, d, correction.data(), sc.data(), vt, keys);
     }
     for (int64_t r = 0; r < rows; ++r) {
       if (l[r] == 0.f) continue;
