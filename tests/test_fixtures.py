@@ -56,6 +56,18 @@ def test_logits_and_greedy_match_reference(name, mesh, hf_tiny, golden):
         assert load.sum(axis=1).tolist() == [computed * llm.config.experts_per_token] * len(llm.config.moe_layers)
 
 
+def test_pages_smaller_than_a_kernel_tile_match_reference(hf_tiny, golden):
+    """Pages of 8 tokens, half the CPU attention kernel's 16-key tile (the default backend here): prompts of
+    up to 47 tokens span six pages, and 24 new tokens three more."""
+    prompts, ref_logits, ref_greedy, _ = golden("llama")
+    llm = LLM(hf_tiny / "llama", dtype="float32", page_size=8)
+    for i, logits in enumerate(llm.logits(prompts)):
+        np.testing.assert_allclose(logits, ref_logits[i, : len(prompts[i])], atol=TOL, rtol=0)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=len(ref_greedy[0]), temperature=0, ignore_eos=True))
+    for prompt, out, ref in zip(prompts, outs, ref_greedy, strict=True):
+        check_greedy_path(llm, prompt, out.token_ids, ref)
+
+
 def test_mistral_is_the_llama_block(tmp_path, hf_tiny, golden):
     """MistralForCausalLM checkpoints (no sliding window) load and run as the Llama block they are."""
     shutil.copytree(hf_tiny / "llama", tmp_path / "mistral")
