@@ -30,6 +30,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -302,20 +303,20 @@ void accumulate_block(float* acc, int64_t d, const float* correction, const floa
     for (int c = 0; c < C; ++c) store16(acc + r * d + 16 * c, a[r][c]);
 }
 
-template <int R>
-void accumulate_rows(float* acc, int64_t d, const float* correction, const float* p, const float* v, int64_t keys) {
-  int64_t x = 0;
-  for (; x + 64 <= d; x += 64) accumulate_block<R, 4>(acc + x, d, correction, p, v + x, keys);
-  switch ((d - x) / 16) {
-    case 3: accumulate_block<R, 3>(acc + x, d, correction, p, v + x, keys); break;
-    case 2: accumulate_block<R, 2>(acc + x, d, correction, p, v + x, keys); break;
-    case 1: accumulate_block<R, 1>(acc + x, d, correction, p, v + x, keys); break;
+// f(std::integral_constant<int, n>{}) for n in 1..4: a run-time count of rows or registers as a template argument.
+template <typename F>
+void up_to_four(int64_t n, F&& f) {
+  switch (n) {
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 1: f(std::integral_constant<int, 1>{}); break;
     default: break;
   }
 }
 
-// acc [rows, d] = acc * correction + p [rows, kTile] . v [keys, d], p 0 past each row's own keys. A head_dim
-// that is not a multiple of sixteen takes plain loops.
+// acc [rows, d] = acc * correction + p [rows, kTile] . v [keys, d], p 0 past each row's own keys: blocks of up
+// to four rows by up to 64 columns. A head_dim that is not a multiple of sixteen takes plain loops.
 void accumulate(float* acc, int64_t rows, int64_t d, const float* correction, const float* p, const float* v,
                 int64_t keys) {
   if (d % 16 != 0) {
@@ -327,14 +328,14 @@ void accumulate(float* acc, int64_t rows, int64_t d, const float* correction, co
       }
     return;
   }
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) accumulate_rows<4>(acc + r * d, d, correction + r, p + r * kTile, v, keys);
-  switch (rows - r) {
-    case 3: accumulate_rows<3>(acc + r * d, d, correction + r, p + r * kTile, v, keys); break;
-    case 2: accumulate_rows<2>(acc + r * d, d, correction + r, p + r * kTile, v, keys); break;
-    case 1: accumulate_rows<1>(acc + r * d, d, correction + r, p + r * kTile, v, keys); break;
-    default: break;
-  }
+  for (int64_t r = 0; r < rows; r += 4)
+    up_to_four(std::min<int64_t>(4, rows - r), [&](auto n) {
+      for (int64_t x = 0; x < d; x += 64)
+        up_to_four(std::min<int64_t>(4, (d - x) / 16), [&](auto c) {
+          accumulate_block<decltype(n)::value, decltype(c)::value>(acc + r * d + x, d, correction + r,
+                                                                  p + r * kTile, v + x, keys);
+        });
+    });
 }
 
 // Attention of every real token over its sequence's pages (q rotated first where rope.cos is set).
