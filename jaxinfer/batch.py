@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from flax import struct
 
-from jaxinfer.sampling import SamplingArrays, SamplingParams
+from jaxinfer.sampling import MAX_LOGPROBS, SamplingArrays, SamplingParams
 from jaxinfer.scheduler import SchedulerOutput
 
 GREEDY = SamplingParams(temperature=0)
@@ -91,37 +91,53 @@ def ring_order(n: int, sp: int) -> np.ndarray:
 
 
 def pack(outputs: list[SchedulerOutput], page_size: int, pool_pages: int, width: int,
-         shape: tuple[int, int] | None = None, sp: int = 1) -> StepBatch:
+         shape: tuple[int, int] | None = None, sp: int = 1,
+         failures: dict[str, BaseException] | None = None) -> StepBatch:
     """One row per replica (outputs[i] is replica i's work), padded to shared bucket shapes (`shape`, at
     least bucket_shape(outputs, sp), when several batches must share one) and page tables `width` entries
-    wide (table_width), tokens in ring order under sp."""
+    wide (table_width), tokens in ring order under sp.
+
+    failures: where given, a sequence that cannot be packed is recorded there (request id -> error) and laid
+    out inert in its place (its tokens write no K/V, it draws greedily), so that the others keep their slots
+    and the step goes on without it; else its error is raised."""
     P, R = page_size, len(outputs)
     N, S = shape or bucket_shape(outputs, sp)
+    sentinel = pool_pages * P
     tokens, positions = np.zeros((R, N), np.int32), np.zeros((R, N), np.int32)
-    slots = np.full((R, N), pool_pages * P, np.int32)
+    slots = np.full((R, N), sentinel, np.int32)
     page_table = np.zeros((R, S, width), np.int32)
     seq_lens, logits_index = np.zeros((R, S), np.int32), np.zeros((R, S), np.int32)
     query_start, num_seqs = np.zeros((R, S + 1), np.int32), np.zeros(R, np.int32)
     token_seq, feed = np.full((R, N), -1, np.int32), np.full((R, N), -1, np.int32)
-    params, seeds = [GREEDY] * (R * S), [0] * (R * S)
+    sampling, logprobs = SamplingArrays.padding(R * S), False
     for i, out in enumerate(outputs):
         t = 0
         for s, seq in enumerate(out.sequences):
             n = len(seq.token_ids)
-            pos = np.arange(seq.start, seq.end)
-            tokens[i, t: t + n] = seq.token_ids
+            try:
+                pos = np.arange(seq.start, seq.end)
+                pages = np.asarray(seq.pages)
+                if len(pages) > width:
+                    raise ValueError(f"a sequence holds {len(pages)} pages, more than the page table's {width} entries")
+                tokens[i, t: t + n] = seq.token_ids
+                slots[i, t: t + n] = pages[pos // P] * P + pos % P
+                page_table[i, s, : len(pages)] = pages
+                feed[i, t + n - 1] = seq.feed
+                sampling.put(i * S + s, seq.params, seq.seed)
+                logprobs |= bool(seq.params.logprobs)
+                end = seq.end
+            except Exception as e:
+                if failures is None:
+                    raise
+                failures[seq.request_id] = e
+                pos, end = np.arange(n), n
+                tokens[i, t: t + n], slots[i, t: t + n], page_table[i, s], feed[i, t + n - 1] = 0, sentinel, 0, -1
+                sampling.put(i * S + s, GREEDY, 0)
             positions[i, t: t + n] = pos
-            pages = np.asarray(seq.pages)
-            if len(pages) > width:
-                raise ValueError(f"a sequence holds {len(pages)} pages, more than the page table's {width} entries")
-            slots[i, t: t + n] = pages[pos // P] * P + pos % P
             token_seq[i, t: t + n] = s
-            feed[i, t + n - 1] = seq.feed
-            page_table[i, s, : len(pages)] = pages
-            seq_lens[i, s] = seq.end
+            seq_lens[i, s] = end
             logits_index[i, s] = t + n - 1
             query_start[i, s + 1] = t + n
-            params[i * S + s], seeds[i * S + s] = seq.params, seq.seed
             t += n
         query_start[i, len(out.sequences) + 1:] = t
         num_seqs[i] = len(out.sequences)
@@ -130,5 +146,5 @@ def pack(outputs: list[SchedulerOutput], page_size: int, pool_pages: int, width:
     logits_index = np.argsort(order).astype(np.int32)[logits_index]
     ring = sp > 1 and any(o.prefill for o in outputs)
     meta = StepMetadata(positions, slots, page_table, seq_lens, query_start, num_seqs, token_seq, ring)
-    return StepBatch(tokens, logits_index, seq_lens.reshape(-1), SamplingArrays.from_params(params, R * S, seeds), meta,
-                     feed)
+    sampling = sampling.replace(top_logprobs=MAX_LOGPROBS if logprobs else 0)
+    return StepBatch(tokens, logits_index, seq_lens.reshape(-1), sampling, meta, feed)

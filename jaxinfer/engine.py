@@ -46,7 +46,12 @@ from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class RequestError(ValueError):
-    """A request that cannot be served: the message names the value and the limit."""
+    """A request that cannot be served: the message names the value and the limit; `param` the field at fault
+    (e.g. "prompt", "max_tokens"), where there is one."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class EngineStalled(RuntimeError):
@@ -74,14 +79,15 @@ class Dispatched:
 class Completion:
     text: str
     token_ids: list[int]
-    finish_reason: str          # "stop" (EOS, stop token or stop string) or "length"
+    finish_reason: str          # "stop" (EOS, stop token or stop string), "length" or "abort"
     prompt_token_ids: list[int]
     logprobs: list[dict[int, float]] | None = None  # per new token: {its id and the top ids: log-probability}
+    stop_reason: int | str | None = None            # the stop token id or stop string that ended it (vLLM's)
 
     @classmethod
     def of(cls, r: Request) -> Completion:
         return cls(r.text, list(r.output), r.finish_reason, list(r.prompt),
-                   list(r.logprobs) if r.params.logprobs is not None else None)
+                   list(r.logprobs) if r.params.logprobs is not None else None, r.stop_reason)
 
 
 class Engine:
@@ -122,6 +128,7 @@ class Engine:
         self.requests: dict[str, tuple[Request, Scheduler]] = {}
         self._stepping = False
         self._deferred_aborts: list[str] = []   # asked for by token callbacks during a step
+        self._suspects: list[Request] = []      # requests of a failed step, each to pass a step alone
         self.stats = EngineStats()
         self.expert_load = ExpertLoad()
         self._ids = itertools.count()
@@ -140,7 +147,7 @@ class Engine:
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
                     on_token: Callable[[Request, int, str], None] | None = None) -> Request:
         """Queue a request on the least loaded replica. Refused at once if it can never be served."""
-        self.check_prompt(prompt)
+        self.check_request(prompt, params)
         if request_id is None:
             request_id = next(i for i in (f"req-{n}" for n in self._ids) if i not in self.requests)
         elif request_id in self.requests:
@@ -149,28 +156,47 @@ class Engine:
         eos = frozenset() if params.ignore_eos else frozenset(self.cfg.eos_token_ids)
         detok = (IncrementalDetokenizer(self.tokenizer, prompt, params.stop, params.include_stop_str_in_output)
                  if self.tokenizer is not None else None)
-        budget = min(params.max_tokens, self.cfg.context_length - len(prompt), self.capacity - len(prompt))
+        budget = min(params.max_tokens, self.cfg.context_length - len(prompt))
         r = Request(request_id, list(prompt), params, seed, budget, eos | set(params.stop_token_ids), detok, on_token)
         scheduler = min(self.schedulers, key=len)
         scheduler.add(r)
         self.requests[request_id] = (r, scheduler)
         return r
 
+    def room(self, prompt_tokens: int) -> int:
+        """The most new tokens a request with a prompt of this length can get: to the context limit or to the
+        end of one replica's page pool, whichever comes first."""
+        return min(self.cfg.context_length, self.capacity) - prompt_tokens
+
+    def check_request(self, prompt: list[int], params: SamplingParams) -> None:
+        """A request that can never be served is refused now, not cut short later: its prompt (check_prompt), and
+        its prompt with all its max_tokens (those the context limit allows) must fit one replica's page pool.
+        Under sp a replica's pool is its sp ranks' pages together, since a sequence's pages go round the ranks."""
+        self.check_prompt(prompt)
+        need = len(prompt) + min(params.max_tokens, self.cfg.context_length - len(prompt))
+        if need > self.capacity:
+            raise RequestError(f"the prompt's {len(prompt)} tokens and max_tokens={params.max_tokens} need {need} "
+                               f"tokens of KV cache, more than the page pool's {self.capacity} tokens per replica; "
+                               f"ask for at most {self.room(len(prompt))} new tokens or give the cache more pages "
+                               f"(num_pages)", param="max_tokens")
+
     def check_prompt(self, ids: list[int], generate: bool = True) -> None:
         """A prompt to generate from needs a free position after it; one to score does not."""
         limit, room = self.cfg.context_length, 1 if generate else 0
         if not ids:
-            raise RequestError("empty prompt: give at least one token")
+            raise RequestError("empty prompt: give at least one token", param="prompt")
         if len(ids) + room > limit:
             raise RequestError(f"prompt of {len(ids)} tokens does not fit the context limit of {limit} tokens"
                                + (" (it needs at least one free position to generate)" if generate else "")
-                               + "; shorten it")
+                               + "; shorten it", param="prompt")
         if len(ids) + room > self.capacity:
             raise RequestError(f"prompt of {len(ids)} tokens does not fit the KV page pool of {self.capacity} tokens "
-                               f"per replica; shorten it or give the cache more pages (num_pages)")
-        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+                               f"per replica; shorten it or give the cache more pages (num_pages)", param="prompt")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int | np.integer)
+               or not 0 <= t < self.cfg.vocab_size]
         if bad:
-            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary of {self.cfg.vocab_size}")
+            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary of {self.cfg.vocab_size}",
+                               param="prompt")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and return its pages; False if it is unknown or already finished. Asked for from a
@@ -197,13 +223,16 @@ class Engine:
     # ---- the step loop -----------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Schedule and dispatch one device step, and hand out the tokens of the step whose results are due
-        (this one; overlapped, the one before); returns the requests that finished."""
+        (this one; overlapped, the one before); returns the requests that finished, those that failed among
+        them (finish_reason "error", `error` set: see `_step_failed`)."""
         t_start, cpu_start = time.perf_counter(), time.thread_time()
         previous, compiled, host = self.dispatched, self.runner.compile_seconds, self.stats.host_seconds
         compiled_cpu = self.runner.compile_cpu_seconds
         if previous is not None:
             previous.ready(t_start)
-        outputs = [s.schedule() for s in self.schedulers]
+        self._suspects = [r for r in self._suspects if r.finish_reason is None]
+        probe = self._suspects[0] if self._suspects else None
+        outputs = [s.schedule(probe) for s in self.schedulers]
         stages = [outputs, *self.in_flight]                     # stages[s]: the microbatch stage s runs now
         busy = [has_work(mb) for mb in stages]
         s = self.stats
@@ -211,15 +240,21 @@ class Engine:
         s.schedule_seconds += t_scheduled - t_start
         if any(busy):
             prefill = any(o.prefill for mb in stages if mb for o in mb)
-            if self.stages == 1:
-                batch = pack(outputs, self.config.page_size, self.pages_per_replica, self.table_width,
-                             self.step_shape(outputs), self.sp)
-            else:
-                batch = pack_stages(stages, self.config.page_size, self.pages_per_replica, self.table_width, self.sp)
-            s.pack_seconds += time.perf_counter() - t_scheduled
-            if previous is not None and previous.ready(now := time.perf_counter()):
-                s.idle_seconds += now - previous.busy_seen   # the device ran dry: for at most this long
-            on_device = self.runner.step(batch, "prefill" if prefill else "decode")
+            unpacked: dict[str, BaseException] = {}
+            try:
+                if self.stages == 1:
+                    batch = pack(outputs, self.config.page_size, self.pages_per_replica, self.table_width,
+                                 self.step_shape(outputs), self.sp, unpacked)
+                else:
+                    batch = pack_stages(stages, self.config.page_size, self.pages_per_replica, self.table_width,
+                                        self.sp, unpacked)
+                self._fail_ids(unpacked)
+                s.pack_seconds += time.perf_counter() - t_scheduled
+                if previous is not None and previous.ready(now := time.perf_counter()):
+                    s.idle_seconds += now - previous.busy_seen   # the device ran dry: for at most this long
+                on_device = self.runner.step(batch, "prefill" if prefill else "decode")
+            except Exception as e:  # noqa: BLE001 - the step's requests are suspects, the others go on
+                return self._failed() + self._step_failed(_request_ids(stages), e)
             s.transfer_seconds += self.runner.timing.transfer
             s.device_seconds += self.runner.timing.launch
             new = Dispatched(stages[-1], on_device, prefill, time.perf_counter())
@@ -232,11 +267,17 @@ class Engine:
         elif previous is None:
             if self.requests:
                 raise EngineStalled(self._stall_report())
-            return []
+            return self._failed()
         else:
             new = None
-        due, self.dispatched = (previous, new) if self.overlap else (new, None)
-        finished = self._hand_out(due) if due is not None else []
+        # a suspect's probe hands its tokens out at once: whether its step passed is known before the next one
+        due, self.dispatched = (previous, new) if self.overlap and probe is None else (new, None)
+        try:
+            finished = self._hand_out(due) if due is not None else []
+        except Exception as e:  # noqa: BLE001 - the device step failed: its requests are suspects, and under pp
+            # those of the microbatches still in the pipeline, which the failed step's state carried
+            return self._failed() + self._step_failed(_request_ids([due.done, *self.in_flight]), e)
+        finished += self._failed()
         seconds = time.perf_counter() - t_start - (self.runner.compile_seconds - compiled)
         s.wall_seconds += seconds
         if not self.overlap:
@@ -259,6 +300,58 @@ class Engine:
         s.preemptions = sum(sch.preemptions for sch in self.schedulers)
         s.host_cpu_seconds += time.thread_time() - cpu_start - (self.runner.compile_cpu_seconds - compiled_cpu)
         return finished
+
+    # ---- failures ----------------------------------------------------------------------------
+    # A failure that one request can be blamed for (while it is added, scheduled, packed, or its tokens handed
+    # out) fails that request alone, as if it had been aborted: the scheduler drops it where it failed and the
+    # step goes on without it (a sequence that cannot be packed is laid out inert in its slot). A failure of
+    # the step itself (dispatching, the device, or the engine's own bookkeeping) loses what was in flight, the
+    # KV pool too when the failed call had it donated: `_step_failed` restarts every request from its tokens
+    # and runs the failed step's requests alone, one at a time, so that the one at fault fails alone.
+
+    def recover(self, error: BaseException) -> list[Request]:
+        """After `error` escaped step(): the requests it may concern are those running, treated as a failed
+        step's (`_step_failed`). Returns the requests that failed."""
+        running = [r.id for s in self.schedulers for r in s.running]
+        return self._failed() + self._step_failed(running or list(self.requests), error)
+
+    def _step_failed(self, request_ids: list[str], error: BaseException) -> list[Request]:
+        """A step of these requests failed with `error`, and what was in flight with it: every request restarts
+        from its tokens (as after preemption; a pool whose buffers the failed call took is made anew, zeros,
+        and the prefix cache emptied), and the step's requests become suspects that run one per step
+        (`schedule(only=...)`) until a step of theirs passes. A suspect that fails, alone or a second time, fails
+        with `error`. Returns the requests that failed."""
+        suspects = [self.requests[i][0] for i in dict.fromkeys(request_ids) if i in self.requests]
+        self.dispatched = None
+        self.in_flight = collections.deque([None] * (self.stages - 1))
+        for scheduler in self.schedulers:
+            scheduler.restart()
+        if not self.runner.state_survived():
+            self.runner.reset_state()
+            for scheduler in self.schedulers:
+                scheduler.pool.reset_prefix_cache()
+        for r in suspects:
+            if len(suspects) == 1 or r.suspected:
+                self.requests[r.id][1].fail(r, error)
+            elif r not in self._suspects:
+                r.suspected = True
+                self._suspects.append(r)
+        return self._failed()
+
+    def _fail_ids(self, errors: dict[str, BaseException]) -> None:
+        for request_id, error in errors.items():
+            entry = self.requests.get(request_id)
+            if entry is not None and entry[0].finish_reason is None:
+                entry[1].fail(entry[0], error)
+
+    def _failed(self) -> list[Request]:
+        """The requests the schedulers failed since the last call, now gone from the engine."""
+        failed = [r for s in self.schedulers for r in s.failed]
+        for s in self.schedulers:
+            s.failed.clear()
+        for r in failed:
+            self.requests.pop(r.id, None)
+        return failed
 
     def step_shape(self, outputs: list[SchedulerOutput]) -> tuple[int, int]:
         """The step's bucket (batch.bucket_shape), except that a step with prompt tokens takes the next of a
@@ -288,6 +381,9 @@ class Engine:
             self._stepping = False
         for r in finished:
             del self.requests[r.id]
+        if self._suspects:   # a suspect whose step passed is cleared
+            passed = set(_request_ids([step.done]))
+            self._suspects = [r for r in self._suspects if r.id not in passed]
         aborted, self._deferred_aborts = self._deferred_aborts, []
         for request_id in aborted:
             self.abort(request_id)
@@ -307,8 +403,8 @@ class Engine:
         """Run requests to completion; all are validated before any is queued."""
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
-        for ids in prompts:
-            self.check_prompt(ids)
+        for ids, p in zip(prompts, params, strict=True):
+            self.check_request(ids, p)
         requests = [self.add_request(ids, p) for ids, p in zip(prompts, params, strict=True)]
         while self.has_unfinished():
             self.step()
@@ -379,6 +475,11 @@ class Engine:
             chunks.append(ScheduledSequence("score", chunk, s.done, s.pages, GREEDY, 0, samples=False, prefill=True))
             budget -= n
         return chunks
+
+
+def _request_ids(microbatches: list[Microbatch]) -> list[str]:
+    """The requests of these microbatches (per replica: a SchedulerOutput, or None), in order."""
+    return [seq.request_id for mb in microbatches if mb for out in mb for seq in out.sequences]
 
 
 @dataclasses.dataclass

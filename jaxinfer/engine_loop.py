@@ -32,6 +32,11 @@ from jaxinfer.sampling import SamplingParams
 from jaxinfer.scheduler import Request
 
 _DONE = object()    # the end of a stream's events
+
+
+class EngineDead(RuntimeError):
+    """The engine failed in a way it could not recover from: nothing more can be served by this process."""
+
 HEARTBEAT_S = 1.0   # multi-host: an idle process 0 still broadcasts (an empty turn) this often
 
 
@@ -124,6 +129,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._closed = False
+        self.dead: BaseException | None = None   # what stopped the engine for good (a supervisor restarts us)
 
     # ---- callers (any thread) --------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
@@ -135,8 +141,10 @@ class EngineLoop:
     def submit_all(self, prompts: list[list[int]], params: list[SamplingParams],
                    request_ids: list[str | None] | None = None, asynchronous: bool = False) -> list[RequestStream]:
         """Queue requests together: all are checked first, and all join the same step."""
-        for prompt in prompts:
-            self.engine.check_prompt(prompt)
+        if self.dead is not None:
+            raise EngineDead(f"the engine cannot go on after a failure it could not recover from: {self.dead}")
+        for prompt, p in zip(prompts, params, strict=True):
+            self.engine.check_request(prompt, p)
         aio = asyncio.get_running_loop() if asynchronous else None
         streams = [RequestStream(self, rid or f"loop-{next(self._ids)}", aio)
                    for rid in request_ids or [None] * len(prompts)]
@@ -153,6 +161,11 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         """Stop a request between steps (from any thread, a token callback included)."""
         self._send(("abort", request_id))
+
+    def abort_all(self) -> None:
+        """Stop every unfinished request between steps; each stream ends with its Completion, finish_reason
+        "abort" (a server's shutdown once its grace period is over)."""
+        self._send(("abort_all",))
 
     def score(self, sequences: list[list[int]]) -> list[np.ndarray]:
         """Engine.score between steps."""
@@ -238,6 +251,9 @@ class EngineLoop:
             if kind == "add":
                 for request_id, prompt, params in args[0]:
                     stream = self._streams.get(request_id)
+                    if self.dead is not None:
+                        self._end(request_id, None, EngineDead(f"the engine failed and could not recover: {self.dead}"))
+                        continue
                     try:
                         self.engine.add_request(prompt, params, request_id,
                                                 on_token=stream._token if stream is not None else None)
@@ -259,11 +275,12 @@ class EngineLoop:
                 else:
                     if future is not None:
                         future.set_result(result)
-            elif kind == "stop":
+            elif kind in ("abort_all", "stop"):
                 for request_id, (r, _) in list(self.engine.requests.items()):
                     self.engine.abort(request_id)
                     self._end(request_id, r)
-                return True
+                if kind == "stop":
+                    return True
         return False
 
     def _end(self, request_id: str, r: Request | None, error: BaseException | None = None) -> None:
@@ -271,15 +288,22 @@ class EngineLoop:
             self.on_end(r)
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            stream._end(r, error)
+            stream._end(r if error is None else None, error)
 
     def _step(self) -> None:
+        """One engine step. A request that failed in it ends with its error; the engine restores the others itself
+        (jaxinfer.engine). A failure that escapes the step is recovered from the same way; if even that fails,
+        the engine is dead: every caller gets the failure, and later submits raise EngineDead."""
         try:
-            finished = self.engine.step()
-        except Exception as e:  # noqa: BLE001 - every waiting caller gets the failure, the loop goes on
-            for request_id in list(self.engine.requests):
-                self.engine.abort(request_id)
-                self._end(request_id, None, e)
+            try:
+                finished = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - the engine restarts what it can
+                finished = self.engine.recover(e)
+        except Exception as e:  # noqa: BLE001 - nothing more can run here: say so, end every stream
+            self.dead = e
+            for request_id in list(self._streams):
+                self._end(request_id, None, EngineDead(f"the engine failed and could not recover: {e}"))
+            self.engine.requests.clear()
             return
         for r in finished:
-            self._end(r.id, r)
+            self._end(r.id, r, r.error)

@@ -98,15 +98,16 @@ def has_work(mb: Microbatch) -> bool:
 
 
 def pack_stages(stages: list[Microbatch], page_size: int, pool_pages: int, width: int,
-                sp: int = 1) -> PipelineBatch:
+                sp: int = 1, failures: dict[str, BaseException] | None = None) -> PipelineBatch:
     """The in-flight microbatches (stages[s] at stage s; stages[0], just scheduled, is never None) packed
-    to one shared bucket shape (and, under sp, one kind of attention: the ring if any stage prefills)."""
+    to one shared bucket shape (and, under sp, one kind of attention: the ring if any stage prefills);
+    `failures` as in jaxinfer.batch.pack."""
     empty = [SchedulerOutput([])] * len(stages[0])
     outputs = [mb or empty for mb in stages]
     shape = tuple(map(max, *(bucket_shape(o, sp) for o in outputs)))
     ring = sp > 1 and any(o.prefill for mb in outputs for o in mb)
-    batches = [b.replace(meta=b.meta.replace(ring=ring)) for b in (pack(o, page_size, pool_pages, width, shape, sp)
-                                                                   for o in outputs)]
+    batches = [b.replace(meta=b.meta.replace(ring=ring)) for b in (pack(o, page_size, pool_pages, width, shape, sp,
+                                                                        failures) for o in outputs)]
     meta = jax.tree.map(lambda *m: np.stack(m), *(b.meta for b in batches))
     last = batches[-1]
     active = np.array([has_work(mb) for mb in stages])

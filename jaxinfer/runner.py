@@ -145,6 +145,27 @@ class ModelRunner:
                                          compiler_options=compiler_options(self.layout.platform))
         return self._jitted[name]
 
+    def state_survived(self) -> bool:
+        """Whether the state (the KV pool above all) is whole: neither donated to a call that then failed nor
+        the output of a computation that failed."""
+        try:
+            leaves = jax.tree.leaves(self.state)
+            return not any(x.is_deleted() for x in leaves) and jax.block_until_ready(leaves) is not None
+        except Exception:  # noqa: BLE001 - a failed computation's outputs raise its error here
+            return False
+
+    def reset_state(self) -> None:
+        """A state of zeros of the same shapes and shardings, the old buffers freed first (a failed step took
+        them: the engine then has every request recompute its KV from its tokens)."""
+        old = jax.tree.leaves(self.state)
+        specs = [(x.shape, x.dtype, x.sharding) for x in old]
+        for x in old:
+            if not x.is_deleted():
+                x.delete()
+        fresh = [jax.jit(lambda shape=shape, dtype=dtype: jnp.zeros(shape, dtype), out_shardings=sharding)()
+                 for shape, dtype, sharding in specs]
+        self.state = jax.tree.unflatten(jax.tree.structure(self.state), fresh)
+
     @property
     def compilations(self) -> int:
         return len(self.executables)

@@ -12,8 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # temperature lives in a float32 on the device
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a smaller temperature is greedy, not a division by ~0
 SEED_LIMIT = 2**32   # the device holds seeds as uint32
+INT32_LIMIT = 2**31  # top_k lives in an int32 on the device; max_tokens and stop token ids are kept below it too
 MAX_LOGPROBS = 20    # most alternatives a request may ask for (vLLM's default max_logprobs)
 
 
@@ -52,14 +54,16 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens={_show(self.max_tokens)} must be an integer, at least 1")
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature={_show(self.temperature)} must be a finite number >= 0 (0 means greedy)")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens < INT32_LIMIT:
+            raise ValueError(f"max_tokens={_show(self.max_tokens)} must be an integer in [1, 2**31)")
+        if (not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0
+                or self.temperature > FLOAT32_MAX):
+            raise ValueError(f"temperature={_show(self.temperature)} must be a finite number >= 0 (0 means greedy) "
+                             f"that a float32 holds (at most {FLOAT32_MAX:.4g})")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={_show(self.top_p)} must be a number in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k={_show(self.top_k)} must be an integer >= -1 (0 or -1 switch it off)")
+        if not _is_int(self.top_k) or not -1 <= self.top_k < INT32_LIMIT:
+            raise ValueError(f"top_k={_show(self.top_k)} must be an integer in [-1, 2**31) (0 or -1 switch it off)")
         if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p={_show(self.min_p)} must be a number in [0, 1]")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
@@ -70,9 +74,9 @@ class SamplingParams:
             raise ValueError("stop strings must not be empty")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs={_show(self.logprobs)} must be None or an integer in [0, {MAX_LOGPROBS}]")
-        bad = [t for t in self.stop_token_ids if not _is_int(t) or t < 0]
+        bad = [t for t in self.stop_token_ids if not _is_int(t) or not 0 <= t < INT32_LIMIT]
         if bad:
-            raise ValueError(f"stop_token_ids={self.stop_token_ids!r}: {bad!r} must be integers >= 0")
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r}: {bad[:5]!r} must be integers in [0, 2**31)")
 
 
 @struct.dataclass
@@ -87,13 +91,22 @@ class SamplingArrays:
     top_logprobs: int = struct.field(pytree_node=False, default=0)  # alternatives computed per row: 0 or MAX
 
     @classmethod
+    def padding(cls, batch: int) -> SamplingArrays:
+        """`batch` greedy rows (on host), for `put` to fill."""
+        return cls(temperature=np.zeros(batch, np.float32), top_k=np.zeros(batch, np.int32),
+                   top_p=np.ones(batch, np.float32), min_p=np.zeros(batch, np.float32), seed=np.zeros(batch, np.uint32))
+
+    def put(self, row: int, p: SamplingParams, seed: int) -> None:
+        """Row `row` draws as `p` says with `seed` (numpy refuses a value its dtype cannot hold: OverflowError)."""
+        self.temperature[row], self.top_k[row], self.top_p[row] = p.temperature, max(p.top_k, 0), p.top_p
+        self.min_p[row], self.seed[row] = p.min_p, seed
+
+    @classmethod
     def from_params(cls, params: list[SamplingParams], batch: int, seeds: list[int]) -> SamplingArrays:
-        pad = batch - len(params)
-        col = lambda f, dt, fill: np.array([f(p) for p in params] + [fill] * pad, dt)  # noqa: E731
-        return cls(temperature=col(lambda p: p.temperature, np.float32, 0.0),
-                   top_k=col(lambda p: max(p.top_k, 0), np.int32, 0), top_p=col(lambda p: p.top_p, np.float32, 1.0),
-                   min_p=col(lambda p: p.min_p, np.float32, 0.0), seed=np.array(list(seeds) + [0] * pad, np.uint32),
-                   top_logprobs=MAX_LOGPROBS if any(p.logprobs for p in params) else 0)
+        s = cls.padding(batch)
+        for row, (p, seed) in enumerate(zip(params, seeds, strict=True)):
+            s.put(row, p, seed)
+        return s.replace(top_logprobs=MAX_LOGPROBS if any(p.logprobs for p in params) else 0)
 
 
 def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array,

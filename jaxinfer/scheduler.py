@@ -62,7 +62,10 @@ class Request:
     unseen: int = 0                              # tokens sampled on the device, not yet back on the host
     sampled_at: tuple[int, int] = (-1, -1)       # (schedule call, sequence index) of its latest sampling step
     cached_tokens: int = 0                       # prompt tokens served from the prefix cache (last admission)
-    finish_reason: str | None = None
+    finish_reason: str | None = None             # "stop", "length", "abort", or "error" (with `error`)
+    stop_reason: int | str | None = None         # the stop token id or stop string that ended it (not EOS)
+    error: BaseException | None = None           # what failed it
+    suspected: bool = False                      # was in a step that failed: runs alone until a step of it passes
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     token_times: list[float] = dataclasses.field(default_factory=list)
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)  # where params.logprobs is set
@@ -108,8 +111,11 @@ class Request:
             self.logprobs.append({token: float(logprobs[0]), **{int(i): float(v) for i, v in top if int(i) != token}})
         self.token_times.append(time.perf_counter())
         delta = self.detokenizer.add(token) if self.detokenizer is not None else ""
-        if token in self.stop_ids or (self.detokenizer is not None and self.detokenizer.stopped):
+        if token in self.stop_ids:                   # EOS (stop_reason None, as in vLLM) or a stop token
             self.finish_reason = "stop"
+            self.stop_reason = token if token in self.params.stop_token_ids else None
+        elif self.detokenizer is not None and self.detokenizer.stopped:
+            self.finish_reason, self.stop_reason = "stop", self.detokenizer.stop_string
         elif len(self.output) >= self.budget:
             self.finish_reason = "length"
         if self.finish_reason and self.detokenizer is not None:
@@ -168,6 +174,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.preemptions = 0
+        self.failed: list[Request] = []   # requests that failed here, for the engine to collect
         self._in_flight: collections.deque[list[Request]] = collections.deque()  # per non-empty output not updated
 
     def __len__(self) -> int:
@@ -176,44 +183,63 @@ class Scheduler:
     def add(self, r: Request) -> None:
         self.waiting.append(r)
 
-    def schedule(self) -> SchedulerOutput:
-        """This step's work: running requests first, then admissions."""
+    def schedule(self, only: Request | None = None) -> SchedulerOutput:
+        """This step's work: running requests first, then admissions. `only`: this request alone, if it is
+        this replica's (a suspect's probe, jaxinfer.engine). A request that fails here fails alone (`fail`)
+        and the step goes on without it."""
         budget, scheduled, short = self.max_tokens, [], False
-        for r in list(self.running):
+        for r in [r for r in self.running if only is None or r is only]:
             if r not in self.running or budget == 0 or not self._pending(r):
                 continue
-            n = min(self._pending(r), budget)
-            while not self._grow(r, n):
-                victim = next((q for q in reversed(self.running) if not q.in_flight), None)
-                short = True
-                if victim is None:       # every other request is in flight: wait for pages to come back
-                    break
-                self.preempt(victim)
-                if victim is r:
-                    break
-            else:
-                scheduled.append((r, n))
-                r.scheduled += n
-                budget -= n
+            try:
+                n = min(self._pending(r), budget)
+                while not self._grow(r, n):
+                    victim = next((q for q in reversed(self.running) if not q.in_flight), None)
+                    short = True
+                    if victim is None:       # every other request is in flight: wait for pages to come back
+                        break
+                    self.preempt(victim)
+                    if victim is r:
+                        break
+                else:
+                    r.scheduled += n
+                    scheduled.append((r, n))
+                    budget -= n
+            except Exception as e:  # noqa: BLE001 - this request's failure, not the step's
+                self.fail(r, e)
+        if only is not None and only in self.waiting:
+            self.waiting.remove(only)
+            self.waiting.appendleft(only)
         share = -(-len(self) // self.stages)  # requests per in-flight microbatch, when spread evenly
         while (self.waiting and not short and budget and len(self.running) < self.max_seqs
-               and len(scheduled) < share):
+               and len(scheduled) < share and (only is None or self.waiting[0] is only)):
             r = self.waiting[0]
-            self._lookup_prefix(r)
-            n = min(r.pending, budget)
-            if not self._grow(r, n):
-                self._release(r)  # a request that is not admitted holds no pages
-                break
-            self.waiting.popleft()
-            self.running.append(r)
-            scheduled.append((r, n))
-            r.scheduled += n
-            budget -= n
-        if scheduled:
-            self._in_flight.append([r for r, _ in scheduled])
-        out = SchedulerOutput([self._describe(r, n, s) for s, (r, n) in enumerate(scheduled)])
+            try:
+                self._lookup_prefix(r)
+                n = min(r.pending, budget)
+                if not self._grow(r, n):
+                    self._release(r)  # a request that is not admitted holds no pages
+                    break
+                self.waiting.popleft()
+                self.running.append(r)
+                r.scheduled += n
+                scheduled.append((r, n))
+                budget -= n
+            except Exception as e:  # noqa: BLE001 - this request's failure, not the step's
+                self.fail(r, e)
+        sequences, sent = [], []
+        for r, n in scheduled:
+            if r.finish_reason is not None:
+                continue
+            try:
+                sequences.append(self._describe(r, n, len(sequences)))
+                sent.append(r)
+            except Exception as e:  # noqa: BLE001 - this request's failure, not the step's
+                self.fail(r, e)
+        if sent:
+            self._in_flight.append(sent)
         self.calls += 1
-        return out
+        return SchedulerOutput(sequences)
 
     def _pending(self, r: Request) -> int:
         """Tokens of r to send: the known ones not yet sent and, overlapped, the one the device is sampling
@@ -235,13 +261,16 @@ class Scheduler:
         for r, seq, token, lp in zip(self._in_flight.popleft(), output.sequences, sampled, rows, strict=False):
             if r.finish_reason is not None:
                 continue
-            self._computed(r, len(seq.token_ids))
-            if seq.samples:
-                r.unseen -= 1
-                r.add_token(int(token), lp)
-                if r.finish_reason:
-                    self.finish(r)
-                    finished.append(r)
+            try:
+                self._computed(r, len(seq.token_ids))
+                if seq.samples:
+                    r.unseen -= 1
+                    r.add_token(int(token), lp)
+                    if r.finish_reason:
+                        self.finish(r)
+                        finished.append(r)
+            except Exception as e:  # noqa: BLE001 - this request's failure (its detokenizer, its callback...)
+                self.fail(r, e)
         return finished
 
     def preempt(self, r: Request) -> None:
@@ -249,6 +278,23 @@ class Scheduler:
         self.running.remove(r)
         self.waiting.appendleft(r)
         self.preemptions += 1
+
+    def fail(self, r: Request, error: BaseException) -> None:
+        """End r with `error`, as if aborted: its pages go back, its tokens in flight are dropped when they come
+        back. The engine collects it from `failed`."""
+        self.finish(r)
+        r.finish_reason, r.error = "error", error
+        self.failed.append(r)
+
+    def restart(self) -> None:
+        """Nothing is in flight any more and no request holds pages: the running ones go back to the front of the
+        queue, in order, to recompute their KV from their tokens as a preempted request does (after a step
+        failed and took the device's state with it)."""
+        for r in reversed(self.running):
+            self._release(r)
+            self.waiting.appendleft(r)
+        self.running.clear()
+        self._in_flight.clear()
 
     def finish(self, r: Request) -> None:
         """Remove r (finished or aborted) and return its pages."""

@@ -155,6 +155,7 @@ class IncrementalDetokenizer:
         self._emitted = 0
         self._hold = 0 if include_stop_str_in_output else max((len(s) for s in self.stop), default=1) - 1
         self.stopped = False
+        self.stop_string: str | None = None   # the stop string that matched, once one has
         self.finished = False
 
     @property
@@ -182,7 +183,7 @@ class IncrementalDetokenizer:
         if hits:
             i, s = min(hits)
             self._out = self._out[: i + len(s) if self.include_stop_str_in_output else i]
-            self.stopped = True
+            self.stopped, self.stop_string = True, s
 
     def _emit(self, hold: int) -> str:
         end = max(len(self._out) - hold, self._emitted)

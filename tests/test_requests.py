@@ -124,8 +124,8 @@ def test_still_generates_after_errors(llm, greedy):
 
 
 @pytest.mark.parametrize("kw, names", [
-    (dict(max_tokens=0), ["max_tokens=0", "at least 1"]),
-    (dict(max_tokens=-3), ["max_tokens=-3", "at least 1"]),
+    (dict(max_tokens=0), ["max_tokens=0", "[1, 2**31)"]),
+    (dict(max_tokens=-3), ["max_tokens=-3", "[1, 2**31)"]),
     (dict(temperature=-1), ["temperature=-1", ">= 0"]),
     (dict(top_p=0), ["top_p=0", "(0, 1]"]),
     (dict(top_p=1.5), ["top_p=1.5", "(0, 1]"]),

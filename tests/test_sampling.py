@@ -21,7 +21,7 @@ def draw(logits, arrays, positions):
 
 
 @pytest.mark.parametrize("kw, names", [
-    (dict(max_tokens=0), ["max_tokens=0", "at least 1"]),
+    (dict(max_tokens=0), ["max_tokens=0", "[1, 2**31)"]),
     (dict(max_tokens=2.5), ["max_tokens=2.5", "integer"]),
     (dict(max_tokens=True), ["max_tokens=True", "integer"]),
     (dict(temperature=-1), ["temperature=-1", ">= 0"]),
@@ -31,7 +31,11 @@ def draw(logits, arrays, positions):
     (dict(top_p=0), ["top_p=0", "(0, 1]"]),
     (dict(top_p=1.01), ["top_p=1.01", "(0, 1]"]),
     (dict(top_p=float("nan")), ["top_p=nan", "(0, 1]"]),
-    (dict(top_k=-2), ["top_k=-2", ">= -1"]),
+    (dict(top_k=-2), ["top_k=-2", "[-1, 2**31)"]),
+    (dict(top_k=2**31), [f"top_k={2**31}", "[-1, 2**31)"]),   # the device holds it as an int32
+    (dict(max_tokens=2**31), [f"max_tokens={2**31}", "[1, 2**31)"]),
+    (dict(temperature=1e39), ["temperature=1e+39", "float32"]),
+    (dict(stop_token_ids=[5, 2**31]), [f"[{2**31}]", "[0, 2**31)"]),
     (dict(top_k=1.5), ["top_k=1.5", "integer"]),
     (dict(top_k=True), ["top_k=True", "integer"]),
     (dict(min_p=2), ["min_p=2", "[0, 1]"]),
@@ -44,7 +48,7 @@ def draw(logits, arrays, positions):
     (dict(stop=""), ["stop strings", "empty"]),
     (dict(stop=["ok", ""]), ["stop strings", "empty"]),
     (dict(stop=["ok", 3]), ["stop strings", "str"]),
-    (dict(stop_token_ids=[2, -1]), ["stop_token_ids=[2, -1]", "[-1]", ">= 0"]),
+    (dict(stop_token_ids=[2, -1]), ["stop_token_ids=[2, -1]", "[-1]", "[0, 2**31)"]),
     (dict(stop_token_ids=[2, 1.0]), ["stop_token_ids", "integers"]),
     (dict(stop_token_ids=[True]), ["stop_token_ids", "integers"]),
 ])
