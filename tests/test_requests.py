@@ -158,7 +158,7 @@ def test_greedy_matches_the_golden_tokens(llm, llama_golden):
 
 def test_max_tokens_gives_length(llm, greedy):
     out = gen(llm, max_tokens=5, temperature=0)
-    assert out.finish_reason == "length"
+    assert out.finish_reason == "length" and out.stop_reason is None
     assert out.token_ids == greedy.token_ids[:5]
     assert out.prompt_token_ids == greedy.prompt_token_ids
 
@@ -168,7 +168,7 @@ def test_stop_token_ids(llm, greedy):
     stop = ref[3]
     expected = ref[: ref.index(stop) + 1]
     out = gen(llm, max_tokens=24, temperature=0, stop_token_ids=[stop])
-    assert out.finish_reason == "stop"
+    assert out.finish_reason == "stop" and out.stop_reason == stop   # vLLM's stop_reason: the id that matched
     assert out.token_ids == expected and out.token_ids[-1] == stop
 
 
@@ -190,8 +190,8 @@ def pick_stop_string(text: str) -> tuple[str, int]:
 
 def test_stop_string_truncates_text(llm, greedy):
     stop, at = pick_stop_string(greedy.text)
-    out = gen(llm, max_tokens=24, temperature=0, stop=[stop])
-    assert out.finish_reason == "stop"
+    out = gen(llm, max_tokens=24, temperature=0, stop=["zzzzqqq", stop])
+    assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == greedy.text[:at]
     assert stop not in out.text
     n = len(out.token_ids)

@@ -120,8 +120,15 @@ def test_a_prompt_too_long_for_one_devices_pool_runs_at_sp4_as_on_one_device_wit
     """300 tokens need 19 pages; one device's 8 cannot hold them, four ranks' 32 can. The prompt is chunked
     (64 tokens a step), so every chunk after the first attends to pages written earlier on every rank."""
     long = prompt(300)
+    small = LLM(hf_tiny / "llama", dtype="float32", num_pages=8)
     with pytest.raises(RequestError, match="does not fit the KV page pool of 128 tokens"):
-        LLM(hf_tiny / "llama", dtype="float32", num_pages=8).generate([long], GREEDY)
+        small.generate([long], GREEDY)
+    # a request must fit one replica's pool with all its max_tokens; under sp that is all its ranks' pages
+    with pytest.raises(RequestError, match=r"need 140 tokens of KV cache, more than the page pool's 128") as e:
+        small.generate([long[:100]], SamplingParams(max_tokens=40, temperature=0))
+    assert e.value.param == "max_tokens" and "at most 28 new tokens" in str(e.value)
+    assert sp4.engine.capacity == 4 * 8 * 16
+    sp4.engine.check_request(long, SamplingParams(max_tokens=212))   # 512 tokens: the four ranks' pages
     np.testing.assert_allclose(sp4.logits([long])[0], one.logits([long])[0], atol=TOL, rtol=0)
     assert sp4.generate([long], GREEDY)[0].token_ids == one.generate([long], GREEDY)[0].token_ids
     pool = sp4.engine.schedulers[0].pool
