@@ -1,8 +1,9 @@
 """Prometheus metrics of a served engine, in vLLM's families (`vllm:` becomes `jaxinfer:`).
 
-The engine's state (requests running and waiting, KV pages in use, prefix-cache lookups, preemptions) is
-read when /metrics is scraped; per-request figures (tokens, time to first token, inter-token latency,
-end-to-end latency, finish reason) are recorded when a request ends, from its own timestamps.
+The engine's state (whether it can serve, requests running and waiting, KV pages in use, prefix-cache
+lookups, preemptions) is read when /metrics is scraped; per-request figures (tokens, time to first token,
+inter-token latency, end-to-end latency, finish reason) are recorded when a request ends, from its own
+timestamps.
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ class EngineCollector(Collector):
         in_use = total - sum(p.available for p in pools)
         page = pools[0].page_size
         for name, doc, value in [
+            ("engine_healthy", "1 while the engine can serve, 0 once it failed for good (restart the server).",
+             int(self.loop.dead is None)),
             ("num_requests_running", "Requests in the running batch.", running),
             ("num_requests_waiting", "Requests queued, not yet running.", max(self.loop.running - running, 0)),
             ("kv_cache_pages_in_use", "KV pages held by requests (all replicas).", in_use),

@@ -6,21 +6,31 @@
 Endpoints: POST /v1/completions and /v1/chat/completions (streamed as server-sent events with
 "stream": true), GET /v1/models, GET /health, POST /tokenize and /detokenize, GET /version, GET /metrics
 (Prometheus). With --api-key (or JAXINFER_API_KEY), /v1/*, /tokenize and /detokenize need
-"Authorization: Bearer KEY". SIGTERM or Ctrl-C: the server stops taking requests, lets those in flight
-finish for --grace-period seconds, aborts the rest, and exits 0. Multi-host: every process runs this
-command; process 0 serves HTTP and the others follow its engine loop.
+"Authorization: Bearer KEY" (the scheme in any case). Every error is an OpenAI error body: 400 for a bad
+request (jaxinfer.openai_api), 401, 404 for an unknown route or model, 405, 413 for a body over
+--max-request-bytes, 500 for a request that failed inside the engine, 503 once the engine is dead (/health
+too). SIGTERM or Ctrl-C: the server stops taking requests, lets those in flight finish for --grace-period
+seconds, then aborts the rest, which end normally with finish_reason "abort" (a stream's last chunk, or a
+200 body with the tokens so far), and exits 0. Multi-host: every process runs this command; process 0
+serves HTTP and the others follow its engine loop.
 """
 
 import argparse
 import asyncio
 import contextlib
+import json
+import logging
 import os
+import secrets
 import signal
 import sys
 import threading
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from jaxinfer.launch import add_model_args, prepare, served_model_name
+
+MAX_REQUEST_BYTES = 4 << 20   # the default request body limit
+ABORT_DRAIN_S = 5.0           # after the grace period, how long aborted requests have to send their last bytes
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -31,17 +41,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=os.environ.get("JAXINFER_API_KEY"),
                    help="required as a Bearer token when set (env JAXINFER_API_KEY)")
     p.add_argument("--grace-period", type=float, default=30.0,
-                   help="seconds requests in flight may finish after SIGTERM before they are aborted")
+                   help="seconds requests in flight may finish after SIGTERM before they are aborted (they then "
+                        'end with finish_reason "abort")')
+    p.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
+                   help="larger request bodies are refused with 413 before they are parsed (default: 4 MiB)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="listen at once; each step bucket is compiled when a request first needs it")
     return p.parse_args(argv)
 
 
-def build_app(llm, model_name: str, api_key: str | None = None):
+def build_app(llm, model_name: str, api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES):
     """The FastAPI application serving `llm` (a jaxinfer.LLM) under `model_name`."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException
 
     import jaxinfer
     from jaxinfer.metrics import Metrics
@@ -58,9 +72,14 @@ def build_app(llm, model_name: str, api_key: str | None = None):
     app = FastAPI(title="jaxinfer", version=jaxinfer.__version__)
     app.state.serving, app.state.metrics = serving, metrics
     guarded = ("/v1/", "/tokenize", "/detokenize")
+    key = api_key.encode() if api_key else None
 
-    def error(e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+    class ErrorResponse(JSONResponse):
+        def render(self, content) -> bytes:  # ASCII escapes: a lone surrogate a client sent cannot fail the answer
+            return json.dumps(content, separators=(",", ":")).encode()
+
+    def error(e: APIError, headers: dict | None = None) -> JSONResponse:
+        return ErrorResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -70,13 +89,27 @@ def build_app(llm, model_name: str, api_key: str | None = None):
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
         return error(APIError.of_validation(e))
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        """Starlette's own refusals (no such route, a wrong method...) in the OpenAI shape."""
+        message = {404: f"no route {request.method} {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+        return error(APIError(message, e.status_code), e.headers)
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, e: Exception) -> JSONResponse:
+        return error(APIError(f"internal error: {type(e).__name__}: {e}", 500))
+
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
-        if api_key and request.url.path.startswith(guarded):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+        if key and request.url.path.startswith(guarded):
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key):
                 return error(APIError("invalid API key: send Authorization: Bearer <key>", 401,
                                       code="invalid_api_key"))
         return await call_next(request)
+
+    app.add_middleware(BodyLimit, limit=max_request_bytes)   # outermost: before anything reads the body
 
     async def respond(request: Request, result: Awaitable) -> Response:
         body = await _until_disconnected(request, result)
@@ -108,6 +141,9 @@ def build_app(llm, model_name: str, api_key: str | None = None):
 
     @app.get("/health")
     async def health() -> Response:
+        """200 while the engine can serve; 503 once it failed for good (a supervisor restarts the server)."""
+        if llm.loop.dead is not None:
+            return error(APIError(f"the engine failed and cannot go on: {llm.loop.dead}", 503))
         return Response(status_code=200)
 
     @app.get("/version")
@@ -120,6 +156,59 @@ def build_app(llm, model_name: str, api_key: str | None = None):
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes gets 413 before it is parsed, from its Content-Length,
+    or (chunked, without one) as soon as the bytes read pass the limit; the app's own answer to the body cut
+    short is then dropped for the 413."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await self.refuse(scope, receive, send)
+        read, over, started = 0, False, False
+
+        async def counted():
+            nonlocal read, over
+            message = await receive()
+            if message["type"] == "http.request":
+                read += len(message.get("body", b""))
+                if read > self.limit:
+                    over = True
+                    raise BodyTooLarge
+            return message
+
+        async def send_unless_over(message) -> None:
+            nonlocal started
+            if not over:
+                started = True
+                await send(message)
+
+        try:
+            await self.app(scope, counted, send_unless_over)
+        except Exception:
+            if not over:
+                raise
+        if over and not started:
+            await self.refuse(scope, receive, send)
+
+    async def refuse(self, scope, receive, send) -> None:
+        from fastapi.responses import JSONResponse
+
+        from jaxinfer.openai_api import APIError
+        e = APIError(f"the request body is larger than this server's limit of {self.limit} bytes "
+                     "(--max-request-bytes)", 413)
+        await JSONResponse(e.body(), status_code=413)(scope, receive, send)
+
+
+class BodyTooLarge(Exception):
+    """Raised into the app reading a body over the limit (BodyLimit answers 413)."""
 
 
 async def _until_disconnected(request, work: Awaitable):
@@ -145,21 +234,45 @@ async def _until_disconnected(request, work: Awaitable):
 
 async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
     """A failure after the stream has started cannot change the status: it becomes an error event."""
-    from jaxinfer.openai_api import APIError, sse
+    from jaxinfer.openai_api import failure, sse
     try:
         async for event in events:
             yield event
     except Exception as e:  # noqa: BLE001 - reported to the client, the server goes on
-        yield sse(APIError(f"generation failed: {e}", 500).body())
+        yield sse(failure(e).body())
         yield "data: [DONE]\n\n"
 
 
-def graceful_server(config):
+def graceful_server(config, abort: Callable[[], None] | None = None):
     """uvicorn's server, except that SIGTERM (or Ctrl-C) ends `run()` after the graceful shutdown, where uvicorn
-    would raise the signal again (the process then dies by it): the caller exits 0."""
+    would raise the signal again (the process then dies by it): the caller exits 0.
+
+    With `abort` (e.g. EngineLoop.abort_all): when config.timeout_graceful_shutdown runs out, `abort()` ends the
+    requests still running, and their responses get ABORT_DRAIN_S more to finish normally (finish_reason
+    "abort"); uvicorn would cancel them, cutting their connections."""
     import uvicorn
 
     class Server(uvicorn.Server):
+        grace = config.timeout_graceful_shutdown
+
+        def __init__(self, config):
+            super().__init__(config)
+            if abort is not None and self.grace is not None:
+                config.timeout_graceful_shutdown = self.grace + ABORT_DRAIN_S   # uvicorn's own deadline
+
+        async def _wait_tasks_to_complete(self) -> None:
+            if abort is None or self.grace is None:
+                return await super()._wait_tasks_to_complete()
+            try:
+                async with asyncio.timeout(self.grace):
+                    return await super()._wait_tasks_to_complete()
+            except TimeoutError:
+                pass
+            logging.getLogger("uvicorn.error").info("grace period over: aborting %d request(s) still running",
+                                                    len(self.server_state.tasks))
+            abort()
+            await super()._wait_tasks_to_complete()
+
         @contextlib.contextmanager
         def capture_signals(self):
             if threading.current_thread() is not threading.main_thread():
@@ -197,9 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         llm.loop.follow()
         return 0
     name = served_model_name(args)
-    config = uvicorn.Config(build_app(llm, name, args.api_key), host=args.host, port=args.port,
-                            timeout_graceful_shutdown=args.grace_period, log_level="info")
-    graceful_server(config).run()
+    config = uvicorn.Config(build_app(llm, name, args.api_key, args.max_request_bytes), host=args.host,
+                            port=args.port, timeout_graceful_shutdown=args.grace_period, log_level="info")
+    graceful_server(config, llm.loop.abort_all).run()
     llm.close()  # aborts what the grace period left, and releases the other processes
     return 0
 
