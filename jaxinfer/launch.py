@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 from absl import logging
@@ -44,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     text.add_argument("--chat", default=None, help="one user message, wrapped in the checkpoint's chat template")
     text.add_argument("--input", default=None, help="a batch file: one OpenAI batch request per line (JSONL)")
     p.add_argument("--output", default=None, help="with --input: where to write one result line per request")
+    p.add_argument("--resume", action="store_true", help="with --input: skip the requests whose custom_id already "
+                   "has a result line in --output, and append the others' (a job that was interrupted)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -58,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if (args.input is None) != (args.output is None):
         p.error("--input and --output go together")
+    if args.resume and args.input is None:
+        p.error("--resume needs --input and --output")
     return args
 
 
@@ -101,9 +106,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # MeshError too
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.input is not None and job.process_id == 0 and not os.path.isfile(args.input):
-        print(f"error: no batch file at {args.input}", file=sys.stderr)
-        return 2
+    if args.input is not None and job.process_id == 0:
+        if not os.path.isfile(args.input):
+            print(f"error: no batch file at {args.input}", file=sys.stderr)
+            return 2
+        from jaxinfer.batch_job import read_requests
+        try:
+            read_requests(args.input)  # a repeated custom_id is refused before the model loads
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
 
     import jax
 
@@ -112,14 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         llm, random_weights = load(args, mesh, engine_config)
         if args.input is not None:
-            from jaxinfer.batch_job import run_batch_file
-            if llm.loop.leader:
-                counts = run_batch_file(llm, served_model_name(args), args.input, args.output)
-                print(json.dumps(counts) if args.json else
-                      f"{counts['requests']} requests: {counts['succeeded']} succeeded, {counts['failed']} failed; "
-                      f"results in {args.output}")
-            llm.close()  # multi-host: the followers served the batch with process 0 until here
-            return 0
+            return batch(args, llm)
         if args.chat is not None:
             out = llm.chat([{"role": "user", "content": args.chat}], params)[0]
         else:
@@ -140,6 +145,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_collectives:
         print(format_report(result["collectives"]))
     return 0
+
+
+def batch(args: argparse.Namespace, llm) -> int:
+    """Runs the batch file (process 0; the others follow its loop). 0 when every line is written; 128 + the
+    signal's number when SIGINT or SIGTERM stopped it, after saying how to finish it."""
+    from jaxinfer.batch_job import BatchInterrupted, run_batch_file
+
+    status = 0
+    if llm.loop.leader:
+        try:
+            counts = run_batch_file(llm, served_model_name(args), args.input, args.output, resume=args.resume)
+        except BatchInterrupted as e:
+            counts, status = e.counts | {"interrupted": signal.Signals(e.signum).name}, 128 + e.signum
+            todo, written = counts["requests"] - counts.get("skipped", 0), counts["succeeded"] + counts["failed"]
+            print(f"{e}: {written} of {todo} requests answered, their lines written to {args.output}; run the "
+                  f"same command with --resume to answer the other {todo - written}", file=sys.stderr)
+        if args.json:
+            print(json.dumps(counts))
+        elif not status:
+            skipped = f", {counts['skipped']} skipped as already done" if "skipped" in counts else ""
+            print(f"{counts['requests']} requests: {counts['succeeded']} succeeded, {counts['failed']} failed"
+                  f"{skipped}; results in {args.output}")
+    llm.close()  # multi-host: the followers served the batch with process 0 until here
+    return status
 
 
 def summary(llm, out, random_weights: bool) -> dict:
