@@ -70,7 +70,7 @@ async def answer(serving: OpenAIServing, line: str) -> dict:
     model, handler = ENDPOINTS[url]
     request_id = f"{result['id']}-request"
     try:
-        request = parse(model, body | {"stream": False})
+        request = parse(model, {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False})
         response = await getattr(serving, handler)(request)
         return result | {"response": {"status_code": 200, "request_id": request_id, "body": response}}
     except APIError as e:
