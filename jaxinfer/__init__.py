@@ -3,7 +3,7 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.engine import Completion
+from jaxinfer.engine.core import Completion
 from jaxinfer.llm import LLM
 from jaxinfer.mesh import MeshConfig
 from jaxinfer.sampling import SamplingParams

@@ -13,11 +13,12 @@ import json
 import math
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -148,6 +149,14 @@ class FusedSpec:
 
 
 Spec = ParamSpec | FusedSpec
+
+
+def unfuse(y: jax.Array, widths: Sequence[int], axis: int) -> list[jax.Array]:
+    """The output of a matmul with a fused weight (jaxinfer.checkpoint.FusedSpec), [..., G, sum(widths), ...]
+    with its G blocks at `axis`, -> one array per part, [..., G * width, ...]. Block g's columns of a part
+    are column shard g of that part, so merging the blocks back needs no communication."""
+    parts = jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=axis + 1)
+    return [p.reshape(*p.shape[:axis], -1, *p.shape[axis + 2:]) for p in parts]
 
 
 class SafetensorsFile:

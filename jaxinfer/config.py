@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,13 @@ ROPE_KEYS = {  # rope types jaxinfer computes, and the keys each needs
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
 
-# jnp references (any platform); the C++ kernel for XLA:CPU; the Pallas GPU kernels (jaxinfer.attention)
+# jnp references (any platform); the C++ kernel for XLA:CPU; the Pallas GPU kernels (jaxinfer.device.attention)
 ATTENTION_BACKENDS = ("xla", "cpu", "pallas")
+
+
+def cache_dir() -> Path:
+    """Where jaxinfer keeps what it makes: random checkpoints, the compiled CPU kernel, compiled programs."""
+    return Path(os.environ.get("JAXINFER_CACHE", Path.home() / ".cache" / "jaxinfer"))
 
 
 class ConfigError(ValueError):
@@ -83,34 +89,6 @@ class ModelConfig:
         return (self.num_layers * layer + len(self.mlp_layers) * mlp + len(self.moe_layers) * experts
                 + self.vocab_size * e + head + e)
 
-    @classmethod
-    def from_dict(cls, c: dict[str, Any]) -> ModelConfig:
-        """Through the registered architecture's own mapping (jaxinfer.models.register)."""
-        from jaxinfer.models import architecture_for
-
-        name, arch = architecture_for(c)
-        try:
-            return dataclasses.replace(arch.config(c), architecture=name)
-        except KeyError as e:
-            raise ConfigError(f"config.json lacks the key {e.args[0]!r} that {name} needs") from None
-
-    @classmethod
-    def from_dir(cls, path: str | Path) -> ModelConfig:
-        path = Path(path)
-        if not path.is_dir():
-            raise ConfigError(f"model directory {str(path)!r} does not exist")
-        f = path / "config.json"
-        if not f.is_file():
-            raise ConfigError(f"{str(path)!r} has no config.json: is it a Hugging Face checkpoint directory?")
-        cfg = cls.from_dict(_read_json(f))
-        gen = path / "generation_config.json"
-        if gen.is_file():  # generation_config's EOS list (e.g. Llama 3.1's <|eot_id|>) adds to config.json's
-            eos = _read_json(gen).get("eos_token_id")
-            eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
-            merged = tuple(dict.fromkeys([*cfg.eos_token_ids, *eos]))
-            cfg = dataclasses.replace(cfg, eos_token_ids=merged)
-        return cfg
-
 
 def decoder_fields(c: dict[str, Any], *, sliding_window: bool) -> dict[str, Any]:
     """The ModelConfig fields every decoder-only transformer's config.json gives. `sliding_window`: the
@@ -119,7 +97,7 @@ def decoder_fields(c: dict[str, Any], *, sliding_window: bool) -> dict[str, Any]
     heads, hidden = c["num_attention_heads"], c["hidden_size"]
     eos = c.get("eos_token_id")
     return dict(
-        architecture=(c.get("architectures") or [""])[0],  # ModelConfig.from_dict sets the registered name
+        architecture=(c.get("architectures") or [""])[0],  # config_from_dict sets the registered name
         vocab_size=c["vocab_size"],
         hidden_size=hidden,
         intermediate_size=c["intermediate_size"],
@@ -173,7 +151,7 @@ def _context_length(c: dict[str, Any], window_by_default: bool) -> int:
     return n
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     try:
         value = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
@@ -194,8 +172,8 @@ class EngineConfig:
     max_tokens_per_step: int = 256          # token budget per replica per step (rounded up to a power of two)
     prefix_caching: bool = True
     attention_backend: str | None = None    # ATTENTION_BACKENDS; None: the platform's kernel where it serves
-    compilation_cache: bool = True          # compiled programs kept on disk (jaxinfer.compilation_cache)
-    overlap: bool = True                    # schedule step k+1 while step k runs (jaxinfer.engine)
+    compilation_cache: bool = True          # compiled programs kept on disk (jaxinfer.device.compilation_cache)
+    overlap: bool = True                    # schedule step k+1 while step k runs (jaxinfer.engine.core)
     scan_layers: bool | None = None         # one lax.scan per layer stack; None: not for large layers on CPU
 
     def __post_init__(self):

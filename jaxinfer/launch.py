@@ -14,27 +14,8 @@ import os
 import signal
 import sys
 
-from absl import logging
-
-from jaxinfer.config import EngineConfig
-from jaxinfer.distributed import Job
-from jaxinfer.mesh import MeshConfig, mesh_for_cli
+from jaxinfer.cli import add_model_args, load, prepare, served_model_name
 from jaxinfer.sampling import SamplingParams
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """What to serve and where: the flags the launcher and the server share."""
-    p.add_argument("--mesh", default="", help='axes, e.g. "tp=8" or "dp=2,tp=4", or a preset name/.toml path')
-    p.add_argument("--model", default=None, help="Hugging Face checkpoint directory "
-                   "(default: an embedded small random-weight Llama that jaxinfer writes itself)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--served-model-name", default=None, help="the model name OpenAI requests give "
-                   "(server, batch files; default: the --model path, or jaxinfer-random-small)")
-    EngineConfig.add_cli_args(p)
-    multi = p.add_argument_group("multi-host (every process runs this same command; see launch/)")
-    multi.add_argument("--coordinator", default=None, help="host:port of process 0 (env JAXINFER_COORDINATOR)")
-    multi.add_argument("--num-processes", type=int, default=None, help="env JAXINFER_NUM_PROCESSES (default 1)")
-    multi.add_argument("--process-id", type=int, default=None, help="env JAXINFER_PROCESS_ID")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,36 +47,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def prepare(args: argparse.Namespace) -> tuple[Job, MeshConfig, EngineConfig]:
-    """Check every flag before JAX starts and before any weight is read, then join the job (ValueError on a
-    bad flag, MeshError included)."""
-    job = Job.from_flags(args.coordinator, args.num_processes, args.process_id)
-    mesh = mesh_for_cli(args.mesh, job.num_processes)
-    engine_config = EngineConfig.from_cli_args(args)
-    job.initialize()
-    return job, mesh, engine_config
-
-
-def served_model_name(args: argparse.Namespace) -> str:
-    """The name requests give for the model: --served-model-name, else the --model path, else the default's."""
-    return args.served_model_name or args.model or "jaxinfer-random-small"
-
-
-def load(args: argparse.Namespace, mesh: MeshConfig, engine_config: EngineConfig):
-    """(LLM, whether its weights are the embedded random default)."""
-    import jax
-
-    from jaxinfer.llm import LLM
-    from jaxinfer.random_model import default_model
-
-    logging.set_verbosity(logging.INFO)
-    if jax.default_backend() == "cpu":
-        logging.info("no accelerator found: running on %d fake CPU devices", len(jax.devices()))
-    random_weights = args.model is None
-    path = default_model() if random_weights else args.model
-    return LLM(path, mesh=mesh, dtype=args.dtype, engine_config=engine_config), random_weights
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -110,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         if not os.path.isfile(args.input):
             print(f"error: no batch file at {args.input}", file=sys.stderr)
             return 2
-        from jaxinfer.batch_job import read_requests
+        from jaxinfer.serve.batch_job import read_requests
         try:
             read_requests(args.input)  # a repeated custom_id is refused before the model loads
         except (ValueError, OSError) as e:
@@ -150,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 def batch(args: argparse.Namespace, llm) -> int:
     """Runs the batch file (process 0; the others follow its loop). 0 when every line is written; 128 + the
     signal's number when SIGINT or SIGTERM stopped it, after saying how to finish it."""
-    from jaxinfer.batch_job import BatchInterrupted, run_batch_file
+    from jaxinfer.serve.batch_job import BatchInterrupted, run_batch_file
 
     status = 0
     if llm.loop.leader:

@@ -1,6 +1,6 @@
 """LLM: the library API (vLLM's shape). Load a checkpoint onto a mesh, then generate, chat, stream or score.
 
-Every call goes through one EngineLoop (jaxinfer.engine_loop), so an LLM may be shared by threads: their
+Every call goes through one EngineLoop (jaxinfer.engine.loop), so an LLM may be shared by threads: their
 requests are batched together by the one thread that runs the engine."""
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import numpy as np
 
 from jaxinfer.checkpoint import Checkpoint, is_spec, load_params
 from jaxinfer.collectives import collective_report
-from jaxinfer.compilation_cache import enable_compilation_cache
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.engine import Completion, Engine
-from jaxinfer.engine_loop import EngineLoop, RequestStream
-from jaxinfer.layers import UNROLL_LAYER_BYTES, Weights, layer_bytes, one_stack_per_layer
+from jaxinfer.device.compilation_cache import enable_compilation_cache
+from jaxinfer.device.layers import UNROLL_LAYER_BYTES, Weights, layer_bytes, one_stack_per_layer
+from jaxinfer.device.pipeline import split_stages
+from jaxinfer.engine.core import Completion, Engine
+from jaxinfer.engine.loop import EngineLoop, RequestStream
 from jaxinfer.mesh import MeshConfig
-from jaxinfer.models import model_for
-from jaxinfer.pipeline import split_stages
+from jaxinfer.models import config_from_dict, config_from_dir, model_for
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sharding import Layout, device_bytes, kv_head_repeat, validate
 from jaxinfer.tokenizer import Tokenizer, TokenizerError
@@ -60,7 +60,7 @@ class LLM:
         Everything is checked before any weight is read."""
         engine_config = _engine_config(engine_config, engine_args)
         self.path: Path | None = Path(model)
-        self._check(ModelConfig.from_dir(self.path), mesh, dtype)
+        self._check(config_from_dir(self.path), mesh, dtype)
         checkpoint = Checkpoint(self.path)
         try:
             tokenizer: Tokenizer | None = Tokenizer.from_dir(self.path)
@@ -80,7 +80,7 @@ class LLM:
         engine_config = _engine_config(engine_config, engine_args)
         llm = cls.__new__(cls)
         llm.path = None
-        llm._check(config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config), mesh, dtype)
+        llm._check(config if isinstance(config, ModelConfig) else config_from_dict(config), mesh, dtype)
         llm._start(engine_config, None, lambda specs: random_params(specs, llm.layout.sharding, llm.dtype, seed))
         return llm
 
@@ -109,7 +109,7 @@ class LLM:
             specs = one_stack_per_layer(specs)
         check(specs)   # a bad checkpoint is refused before the engine exists
         # The engine is built on the weights' shapes while they load, so the step executables already
-        # compiled on this machine are read back meanwhile (jaxinfer.compilation_cache).
+        # compiled on this machine are read back meanwhile (jaxinfer.device.compilation_cache).
         shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, self.dtype,
                                                              sharding=self.layout.sharding(s.axes)),
                               specs, is_leaf=is_spec)
@@ -117,7 +117,7 @@ class LLM:
             weights = pool.submit(make_weights, specs)
             self.engine = Engine(self.model, self.layout, shapes, self.dtype, engine_config, self.tokenizer)
             if self.engine.runner.executables_dir is not None and self.engine.stages == 1:
-                from jaxinfer.warmup import warmup
+                from jaxinfer.engine.warmup import warmup
 
                 warmup(self.engine, progress=False, stored_only=True)
             self.engine.runner.weights = weights.result()
@@ -127,7 +127,7 @@ class LLM:
 
     def _scan_layers(self, asked: bool | None, stages: int, specs: Weights) -> bool:
         """Scan by default, except on CPU where a layer's weights outgrow the caches, so that the scan's
-        copy of them costs more than a deeper program's compile time (jaxinfer.layers.one_stack_per_layer);
+        copy of them costs more than a deeper program's compile time (jaxinfer.device.layers.one_stack_per_layer);
         a pipeline always scans."""
         if asked is False and stages > 1:
             raise ValueError("scan_layers=False needs pp=1: pipeline stages hold their layers as stacks")
@@ -186,9 +186,9 @@ class LLM:
         return self.generate([self.tokenizer.chat_ids(c) for c in conversations], params)
 
     def warmup(self, progress: bool = True) -> int:
-        """Compile the step buckets a server hits (jaxinfer.warmup) before any request comes; returns how many
+        """Compile the step buckets a server hits (jaxinfer.engine.warmup) before any request comes; returns how many
         were compiled."""
-        from jaxinfer.warmup import warmup
+        from jaxinfer.engine.warmup import warmup
 
         return warmup(self.engine, progress)
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import cache_dir
 from jaxinfer.tokenizer import byte_level_tokenizer_json
 
 # Byte-level vocabulary: <unk>=0, <s>=1, </s>=2, <pad>=3, four reserved specials (so that the vocabulary,
@@ -38,7 +38,7 @@ BENCH_100M = {**DEFAULT, "hidden_size": 768, "intermediate_size": 2048, "num_hid
 BENCH_LONG = {**DEFAULT, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
               "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 16384}
 
-# The MoE benchmark's Mixtral-style model: ModelConfig.from_dict(BENCH_MOE_100M).num_params() == 96,631,296
+# The MoE benchmark's Mixtral-style model: config_from_dict(BENCH_MOE_100M).num_params() == 96,631,296
 # (~96.6M total; ~40.0M active per token: 2 of the 8 experts). intermediate_size is the expert width.
 BENCH_MOE_100M = {**DEFAULT, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 16000,
                   "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 8,
@@ -53,20 +53,16 @@ LLAMA3_8B = {**DEFAULT, "vocab_size": 128256, "hidden_size": 4096, "intermediate
              "eos_token_id": 128001, "pad_token_id": None, "torch_dtype": "bfloat16"}
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("JAXINFER_CACHE", Path.home() / ".cache" / "jaxinfer"))
-
-
 def write_random_checkpoint(path: str | Path, config: dict, seed: int = 0) -> Path:
     """A complete checkpoint directory (config, safetensors, byte-level tokenizer) with random weights."""
     import jax
 
     from jaxinfer.checkpoint import is_spec
-    from jaxinfer.models import model_for
+    from jaxinfer.models import config_from_dict, model_for
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg = ModelConfig.from_dict(config)
+    cfg = config_from_dict(config)
     rng = np.random.default_rng(seed)
     tensors = {}
     parts = (p for s in jax.tree.leaves(model_for(cfg).weights(), is_leaf=is_spec) for p in s.parts)

@@ -120,7 +120,7 @@ def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array,
 
     Greedy rows (padding included) take the argmax; the rows that draw are filtered and drawn in passes
     over them alone: all in one pass, or one row a pass with `row_by_row` (on CPU a row costs the same alone
-    as among others, jaxinfer.bench_sampler, so a step's sampling then costs what its drawing rows need,
+    as among others, jaxinfer.bench.sampler, so a step's sampling then costs what its drawing rows need,
     not its slots). A pass whose rows have no top-k, top-p or min-p on only divides by the temperature.
     """
     B = logits.shape[0]

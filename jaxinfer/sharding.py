@@ -31,7 +31,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv_heads": "tp",   # K/V heads (replicated first where tp exceeds them)
     "mlp": "tp",        # column-parallel gate/up, row-parallel down
     "layers": "pp",     # pipeline stages: each holds its slice of the stacked layers (and of the KV pool)
-    "seq": "sp",        # sequence parallel: a step's tokens split over sp (ring attention, jaxinfer.attention.ring)
+    "seq": "sp",        # sequence parallel: a step's tokens split over sp (ring attention, device/attention/ring.py)
     "pages": ("dp", "ep", "sp"),  # each replica owns its slice of the KV page pool, spread over its sp ranks
     "experts": "ep",    # expert parallel: experts split over ep, tokens exchanged by all-to-all
     "head_dim": None,

@@ -2,7 +2,7 @@
 
 An architecture is a `Model` subclass: how its config.json maps to a ModelConfig, its weights with their
 logical axes and checkpoint names, and three stage functions the engine runs: `embed`, one decoder
-`layer` (scanned over each LayerStack by jaxinfer.layers), and `head`. Register one from anywhere,
+`layer` (scanned over each LayerStack by jaxinfer.device.layers), and `head`. Register one from anywhere,
 without editing jaxinfer:
 
     from jaxinfer.models import Llama, register
@@ -14,14 +14,16 @@ without editing jaxinfer:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
 
-from jaxinfer.config import ConfigError, ModelConfig
-from jaxinfer.kv_cache import PagedKVCache
-from jaxinfer.layers import StepContext, Weights
+from jaxinfer.config import ConfigError, ModelConfig, read_json
+from jaxinfer.device.kv_cache import PagedKVCache
+from jaxinfer.device.layers import StepContext, Weights
 
 ARCHITECTURES: dict[str, type[Model]] = {}
 
@@ -81,3 +83,30 @@ def model_for(cfg: ModelConfig) -> Model:
     if cfg.architecture not in ARCHITECTURES:
         raise ConfigError(f"unsupported architecture {cfg.architecture!r}; supported: {', '.join(ARCHITECTURES)}")
     return ARCHITECTURES[cfg.architecture](cfg)
+
+
+def config_from_dict(c: dict[str, Any]) -> ModelConfig:
+    """A config.json's content through its registered architecture's own mapping (`register`)."""
+    name, arch = architecture_for(c)
+    try:
+        return dataclasses.replace(arch.config(c), architecture=name)
+    except KeyError as e:
+        raise ConfigError(f"config.json lacks the key {e.args[0]!r} that {name} needs") from None
+
+
+def config_from_dir(path: str | Path) -> ModelConfig:
+    """A Hugging Face checkpoint directory's config.json, with generation_config.json's EOS ids added."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"model directory {str(path)!r} does not exist")
+    f = path / "config.json"
+    if not f.is_file():
+        raise ConfigError(f"{str(path)!r} has no config.json: is it a Hugging Face checkpoint directory?")
+    cfg = config_from_dict(read_json(f))
+    gen = path / "generation_config.json"
+    if gen.is_file():  # generation_config's EOS list (e.g. Llama 3.1's <|eot_id|>) adds to config.json's
+        eos = read_json(gen).get("eos_token_id")
+        eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        merged = tuple(dict.fromkeys([*cfg.eos_token_ids, *eos]))
+        cfg = dataclasses.replace(cfg, eos_token_ids=merged)
+    return cfg

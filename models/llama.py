@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxinfer.checkpoint import FusedSpec, ParamSpec
+from jaxinfer.checkpoint import FusedSpec, ParamSpec, unfuse
 from jaxinfer.config import ConfigError, ModelConfig, decoder_fields
-from jaxinfer.kv_cache import PagedKVCache
-from jaxinfer.layers import ACTIVATIONS, StepContext, Weights, stack_layers, unfuse
+from jaxinfer.device.kv_cache import PagedKVCache
+from jaxinfer.device.layers import ACTIVATIONS, StepContext, Weights, stack_layers
 from jaxinfer.models.base import Model, register
 
 LAYER = "model.layers.{layer}."
@@ -31,7 +31,7 @@ W = Any  # a jax.Array once loaded, its spec before; None where the architecture
 # Every projection is stored [in, out] (the checkpoint's [out, in] transposed at load), the contraction on
 # its first axis: from [out, in] XLA:CPU's matmul repacks the whole weight on every call, which at 8 rows
 # took ~45% of a decode step's CPU time (125M model: 8-row decode 223-242 -> 275-277 tok/s, 1 row alike;
-# jaxinfer.bench). GPUs read either order alike.
+# jaxinfer.bench.decode). GPUs read either order alike.
 
 
 @struct.dataclass

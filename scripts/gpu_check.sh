@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (jaxinfer/gpu_check.py): kernel tests compiled on the GPU, decode tok/s and MBU of a
+# The GPU check (jaxinfer/bench/gpu_check.py): kernel tests compiled on the GPU, decode tok/s and MBU of a
 # Llama-3-8B-shaped random-weight model, the serving benchmark; one JSON and one markdown file in OUTDIR.
 #
 #   bash scripts/gpu_check.sh OUTDIR              # on one GPU, about 7 minutes
@@ -54,4 +54,4 @@ if ! from_here; then
   from_here || { echo "jaxinfer from $repo is still not importable by $py" >&2; exit 2; }
 fi
 
-timeout -k 15 "${GPU_CHECK_TIMEOUT:-455}" "$py" -m jaxinfer.gpu_check "$out" "$@"
+timeout -k 15 "${GPU_CHECK_TIMEOUT:-455}" "$py" -m jaxinfer.bench.gpu_check "$out" "$@"

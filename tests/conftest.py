@@ -12,8 +12,9 @@ os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")  # tests compile 
 # ---- the Hugging Face reference fixtures (../shared/fixtures/hf-tiny) ------------------------------------
 # Everything below runs after the environment above is set; nothing here imports JAX.
 import json  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Callable, Mapping  # noqa: E402
 from pathlib import Path  # noqa: E402
+from types import MappingProxyType  # noqa: E402
 from typing import NamedTuple  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -55,6 +56,25 @@ def golden() -> Callable[[str], Golden]:
     return load_golden
 
 
+def greedy_path_matches(llm, prompt: list[int], path: list[int], reference_path: list[int], tol: float = 1e-4) -> None:
+    """Token by token: where our greedy path first differs from the reference's, the reference's logits (ours,
+    along our path) must be near-tied."""
+    if path == reference_path:
+        return
+    ours = llm.logits([prompt + path[:-1]])[0][len(prompt) - 1:]
+    for t, (a, b) in enumerate(zip(path, reference_path, strict=True)):
+        if a != b:
+            assert abs(ours[t, a] - ours[t, b]) <= tol, f"step {t}: {a} vs reference {b} not a near-tie"
+            return
+
+
+@pytest.fixture(scope="session")
+def check_greedy_path() -> Callable[..., None]:
+    """check_greedy_path(llm, prompt, path, reference_path): our greedy tokens against a fixture's, near-ties
+    allowed (test_fixtures.py, test_fixtures_moe.py)."""
+    return greedy_path_matches
+
+
 @pytest.fixture
 def float32_dots_exact():
     """float32 matmuls in full precision: a GPU's default is TF32 (XLA and the Triton lowering alike), which
@@ -63,3 +83,125 @@ def float32_dots_exact():
 
     with jax.default_matmul_precision("highest"):
         yield
+
+
+# ---- models and caches shared by the modules of one worker process -----------------------------------------
+# With `pytest -n 2 --dist loadfile` each worker is its own process with its own session: what is cached here is
+# built at most once per worker, by the first module that asks for it.
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(hf_tiny):
+    """tiny_llm(name="llama", mesh="", **engine_args) -> the hf-tiny checkpoint `name` in float32 on `mesh`, one
+    LLM per distinct set of arguments for the whole session, so modules asking for the same model and step budget
+    (EngineConfig fields: max_tokens_per_step, num_pages, ...) share it and its compiled steps.
+
+    Only for tests that leave it as they found it: no request running, the loop alive, methods they patched
+    restored (each hand-out checks the first two). Every hand-out empties its prefix cache, so a module's first
+    requests find no pages cached by another module. A test that needs a fresh engine (counters from zero, a
+    closed or collected LLM) builds its own."""
+    from jaxinfer import LLM
+
+    built: dict[tuple, LLM] = {}
+
+    def get(name: str = "llama", mesh: str = "", **engine_args) -> LLM:
+        key = (name, mesh, tuple(sorted(engine_args.items())))
+        if key not in built:
+            built[key] = LLM(hf_tiny / name, mesh=mesh, dtype="float32", **engine_args)
+        llm = built[key]
+        _wait_idle(llm)
+        llm.engine.reset_prefix_cache()
+        return llm
+
+    yield get
+    for llm in built.values():
+        llm.close()
+
+
+def _wait_idle(llm, timeout: float = 30.0) -> None:
+    """A shared LLM is handed out idle: aborts a module sent just before it ended are applied between steps."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with llm.loop.lock:
+            idle = llm.loop.running == 0 and not llm.engine.has_unfinished()
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert idle and llm.loop.dead is None, (
+        f"the shared LLM ({llm.source}, {llm.mesh_config}) was left busy or dead by the module before: "
+        f"{llm.loop.running} running, dead={llm.loop.dead!r}")
+
+
+@pytest.fixture(scope="session")
+def random_checkpoint(tmp_path_factory) -> Callable[..., Path]:
+    """random_checkpoint(config, seed=0) -> a checkpoint directory of jaxinfer.random_model.write_random_checkpoint
+    (config.json, safetensors, a byte-level tokenizer for a vocabulary of 264 or more), written once per session
+    for each distinct config and seed. Read-only: a test that changes a checkpoint writes its own."""
+    from jaxinfer.random_model import write_random_checkpoint
+
+    written: dict[tuple[str, int], Path] = {}
+
+    def get(config: dict, seed: int = 0) -> Path:
+        key = (json.dumps(config, sort_keys=True), seed)
+        if key not in written:
+            written[key] = write_random_checkpoint(tmp_path_factory.mktemp("random-checkpoint") / "model", config,
+                                                   seed)
+        return written[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def cpu_kernel() -> Path | None:
+    """The C++ CPU attention kernel (jaxinfer/device/attention/cpu.py) as this process builds it on first use,
+    in its own cache directory, as the in-process tests do; None where it cannot be built."""
+    from jaxinfer.device.attention import cpu
+
+    try:
+        return cpu.build()
+    except cpu.BuildError:
+        return None                         # the children fall back to the jnp reference too
+
+
+@pytest.fixture(scope="session")
+def put_cpu_kernel(cpu_kernel) -> Callable[[Path], None]:
+    """put_cpu_kernel(cache): the kernel copied (atomically) to cache/kernels under its name, where a child process
+    whose JAXINFER_CACHE is `cache` looks for it before building it: what a machine with a warm cache does (the
+    build itself is tested in test_ragged_paged_attention)."""
+    import shutil
+
+    def put(cache: Path) -> None:
+        if cpu_kernel is None:
+            return
+        target = Path(cache) / "kernels" / cpu_kernel.name
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_name(f"{cpu_kernel.name}.{os.getpid()}.partial")
+            shutil.copyfile(cpu_kernel, partial)
+            os.replace(partial, target)
+
+    return put
+
+
+@pytest.fixture(scope="session")
+def shared_cache(tmp_path_factory, put_cpu_kernel) -> Path:
+    """One $JAXINFER_CACHE for the child processes of the whole run, both xdist workers: the random default model
+    is written there once (jaxinfer.random_model.ensure: processes racing to write it are harmless) and the CPU
+    attention kernel is put there (put_cpu_kernel). The XLA compilation cache stays off in the children, as here
+    (JAX_ENABLE_COMPILATION_CACHE above); test_warmup, which tests that cache, keeps a directory of its own."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent                  # the run's base directory, which holds the workers' own
+    cache = root / "jaxinfer-cache"
+    cache.mkdir(exist_ok=True)
+    put_cpu_kernel(cache)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def subprocess_env(shared_cache) -> Mapping[str, str]:
+    """The environment for a jaxinfer child process (read-only: copy it to change it): this one's, with the run's
+    shared JAXINFER_CACHE. It keeps XLA_FLAGS (the eight fake devices): a child that sets up its own drops it."""
+    return MappingProxyType({**os.environ, "JAXINFER_CACHE": str(shared_cache)})

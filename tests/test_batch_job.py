@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from jaxinfer import LLM, SamplingParams
-from jaxinfer.batch_job import BatchInterrupted, answer, run_batch_file
+from jaxinfer import SamplingParams
 from jaxinfer.launch import main, parse_args
-from jaxinfer.openai_api import OpenAIServing
+from jaxinfer.serve.batch_job import BatchInterrupted, answer, run_batch_file
+from jaxinfer.serve.openai_api import OpenAIServing
 
 NAME = "tiny-llama"
 PROMPTS = ["The quick brown fox", "Ring", "Distributed inference splits a model", "All-reduce and all-gather"]
@@ -24,8 +24,8 @@ HANG = "this prompt is never answered"
 
 
 @pytest.fixture(scope="module")
-def llm(hf_tiny):
-    return LLM(hf_tiny / "llama", dtype="float32", max_tokens_per_step=64)
+def llm(tiny_llm):
+    return tiny_llm(max_tokens_per_step=64)
 
 
 def line(custom_id, prompt: str, max_tokens: int = 4) -> dict:
@@ -190,7 +190,7 @@ def test_resume_needs_input(capsys):
     assert e.value.code == 2 and "--resume needs --input and --output" in capsys.readouterr().err
 
 
-def test_sigterm_mid_job_then_resume_gives_one_line_per_request(tmp_path):
+def test_sigterm_mid_job_then_resume_gives_one_line_per_request(tmp_path, subprocess_env):
     """The CLI on the embedded default model: SIGTERM once the first line is written exits 143 with whole lines
     only (the long requests cancelled); a --resume run completes the file. Requests with the same body give the
     same text in either run."""
@@ -200,7 +200,7 @@ def test_sigterm_mid_job_then_resume_gives_one_line_per_request(tmp_path):
     items = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": b}
              for i, b in enumerate(bodies)]
     src, out = write_jsonl(tmp_path / "requests.jsonl", items), tmp_path / "results.jsonl"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAXINFER_CACHE": str(tmp_path)}
+    env = {k: v for k, v in subprocess_env.items() if k != "XLA_FLAGS"}
     cmd = [sys.executable, "-m", "jaxinfer.launch", "--input", str(src), "--output", str(out)]
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -6,23 +6,23 @@ import math
 import numpy as np
 import pytest
 
-from jaxinfer import bench
-from jaxinfer.config import ModelConfig
+from jaxinfer.bench import decode as bench
+from jaxinfer.models import config_from_dict
 from jaxinfer.random_model import DEFAULT, write_random_checkpoint
 
 TINY = {**DEFAULT, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
-def test_bench_json_counts(tmp_path, capsys):
-    path = write_random_checkpoint(tmp_path / "tiny", TINY)
+def test_bench_json_counts(tmp_path, capsys, random_checkpoint):
+    path = random_checkpoint(TINY)
     argv = ["--model", str(path), "--batch", "1", "2", "--prompt-len", "16", "--max-tokens", "4",
             "--mesh", "tp=2", "--dtype", "float32", "--bandwidth-mib", "32", "--json",
             "--profile", str(tmp_path / "trace")]
     assert bench.main(argv) == 0
     r = json.loads(capsys.readouterr().out)
 
-    cfg = ModelConfig.from_dict(TINY)
+    cfg = config_from_dict(TINY)
     tp, f32 = 2, 4
     # Every weight is split over tp except the 2 * layers + 1 norm vectors, which each tp device holds whole.
     norms = (2 * cfg.num_layers + 1) * cfg.hidden_size
@@ -93,7 +93,7 @@ def test_bench_moe_all_to_all_and_expert_load(tmp_path, capsys):
     assert bench.main(argv) == 0
     r = json.loads(capsys.readouterr().out)
 
-    cfg = ModelConfig.from_dict(TINY_MOE)
+    cfg = config_from_dict(TINY_MOE)
     assert cfg.vocab_size == 264 and cfg.num_experts == 4 and cfg.moe_intermediate_size == 32
     L, E, k, f32, ep = cfg.num_layers, cfg.hidden_size, cfg.experts_per_token, 4, 2
     assert r["moe"]["moe_layers"] == L and r["moe"]["replicas"] == ep and r["devices"] == ep
@@ -139,12 +139,12 @@ def test_bench_moe_all_to_all_and_expert_load(tmp_path, capsys):
     assert f"batch 2: expert load imbalance (max/mean per layer) {shown} (max {max(imbalance):.2f})" in text
 
 
-def test_bench_pipeline_json(tmp_path, capsys):
+def test_bench_pipeline_json(capsys, random_checkpoint):
     """pp 1 and 2 on a 2-layer model: memory per device, the activation hop's bytes, and utilisation at the
     formula's value (a count: the burst of 2 requests fills both slots back to back)."""
-    from jaxinfer import bench_pipeline
+    from jaxinfer.bench import pipeline as bench_pipeline
 
-    path = write_random_checkpoint(tmp_path / "tiny", TINY)
+    path = random_checkpoint(TINY)
     argv = ["--model", str(path), "--pp", "1", "2", "--requests", "2", "--prompt-len", "8", "--max-tokens", "3",
             "--dtype", "float32", "--json"]
     assert bench_pipeline.main(argv) == 0
@@ -159,12 +159,12 @@ def test_bench_pipeline_json(tmp_path, capsys):
     assert two["decode_collective_permute"] == {"count": 1, "bytes": 1 * TINY["hidden_size"] * 4}
 
 
-def test_bench_sequence_json(tmp_path, capsys):
+def test_bench_sequence_json(capsys, random_checkpoint):
     """sp 1 and 2 on a 2-layer model: the ring's permutes in the prefill step, a decode merge whose bytes do
     not depend on the context, KV bytes per device halved, and eta = 1 at sp=1 by definition."""
-    from jaxinfer import bench_sequence
+    from jaxinfer.bench import sequence as bench_sequence
 
-    path = write_random_checkpoint(tmp_path / "tiny", TINY)
+    path = random_checkpoint(TINY)
     argv = ["--model", str(path), "--sp", "1", "2", "--decode-sp", "2", "--prompt-len", "32",
             "--contexts", "30", "62", "--decode-tokens", "2", "--dtype", "float32", "--json"]
     assert bench_sequence.main(argv) == 0

@@ -1,11 +1,11 @@
-"""`python -m jaxinfer.bench_attention` times the CPU kernel and the reference on the same step, and their
+"""`python -m jaxinfer.bench.attention` times the CPU kernel and the reference on the same step, and their
 outputs agree."""
 
 import json
 
 import pytest
 
-from jaxinfer import bench_attention
+from jaxinfer.bench import attention as bench_attention
 
 
 def test_bench_attention_times_both_sides_of_a_case(capsys):

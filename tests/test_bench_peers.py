@@ -7,8 +7,9 @@ import math
 
 import pytest
 
-from jaxinfer import bench, bench_peers
-from jaxinfer.random_model import DEFAULT, write_random_checkpoint
+from jaxinfer.bench import decode as bench
+from jaxinfer.bench import peers as bench_peers
+from jaxinfer.random_model import DEFAULT
 
 TINY = {**DEFAULT, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -74,14 +75,14 @@ def test_compare_adds_ratio_and_same_tokens_and_the_table_shows_them():
     assert "transformers 9.9, torch 8.8, 2 threads" in text
 
 
-def test_vs_a_peer_not_installed_is_noted_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
+def test_vs_a_peer_not_installed_is_noted_and_the_run_goes_on(tmp_path, capsys, monkeypatch, random_checkpoint):
     """Modules that fail to import as missing packages do, ahead of anything installed, in the child."""
     hide = tmp_path / "hide"
     hide.mkdir()
     for name in ("torch", "transformers", "vllm"):
         (hide / f"{name}.py").write_text(f"raise ImportError(\"No module named '{name}'\")\n")
     monkeypatch.setenv("PYTHONPATH", str(hide))
-    path = write_random_checkpoint(tmp_path / "tiny", TINY)
+    path = random_checkpoint(TINY)
     argv = ["--model", str(path), "--batch", "1", "--prompt-len", "8", "--max-tokens", "3", "--dtype", "float32",
             "--bandwidth-mib", "8", "--vs", "transformers", "--vs", "vllm", "--json"]
     assert bench.main(argv) == 0
@@ -109,12 +110,12 @@ def test_vs_peer_that_fails_is_a_note(tmp_path, capsys, monkeypatch):
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None,
                     reason="torch/transformers not installed: pip install -e '.[peers]' runs transformers on our "
                     "checkpoint and compares its greedy tokens")
-def test_vs_transformers_runs_our_checkpoint_to_the_same_tokens(tmp_path, capsys, monkeypatch):
+def test_vs_transformers_runs_our_checkpoint_to_the_same_tokens(capsys, monkeypatch, random_checkpoint):
     """Our random checkpoint loads in transformers and decodes to our tokens. One torch thread in the child: on a
     busy machine a spinning second thread can stall a 1-token generate for longer than this tiny model's decode
     steps take, and the timing (not under test here) would then be rejected."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    path = write_random_checkpoint(tmp_path / "tiny", TINY)
+    path = random_checkpoint(TINY)
     argv = ["--model", str(path), "--batch", "2", "--prompt-len", "8", "--max-tokens", "6", "--dtype",
             "float32", "--bandwidth-mib", "8", "--vs", "transformers", "--json"]
     assert bench.main(argv) == 0

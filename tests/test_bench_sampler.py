@@ -1,10 +1,10 @@
-"""`python -m jaxinfer.bench_sampler` prints a timing per sampler case, and refuses empty shapes."""
+"""`python -m jaxinfer.bench.sampler` prints a timing per sampler case, and refuses empty shapes."""
 
 import json
 
 import pytest
 
-from jaxinfer import bench_sampler
+from jaxinfer.bench import sampler as bench_sampler
 
 
 def test_bench_sampler_times_every_case(capsys):

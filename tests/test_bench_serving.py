@@ -3,16 +3,16 @@
 import json
 import math
 
-from jaxinfer import bench_serving
-from jaxinfer.config import ModelConfig
-from jaxinfer.random_model import DEFAULT, write_random_checkpoint
+from jaxinfer.bench import serving as bench_serving
+from jaxinfer.models import config_from_dict
+from jaxinfer.random_model import DEFAULT
 
 TINY = {**DEFAULT, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
-def test_bench_serving_json(tmp_path, capsys):
-    path = write_random_checkpoint(tmp_path / "tiny", TINY)
+def test_bench_serving_json(capsys, random_checkpoint):
+    path = random_checkpoint(TINY)
     # 16-token steps force chunked prefill of the up-to-40-token prompts; 24 pages of 4 tokens (96 slots)
     # cannot hold 8 requests of up to 40 + 12 tokens, so some are preempted and recomputed. The synchronous
     # loop preempts here; the overlapped one waits for the step in flight instead (test_overlap preempts it).
@@ -38,7 +38,7 @@ def test_bench_serving_json(tmp_path, capsys):
     assert 0 < r["peak_pages_in_use"] <= r["pool_pages"] == 24
     assert r["compilations_measured"] == 0 and r["compilations_total"] > 0
     assert r["preemptions"] > 0
-    assert r["num_params"] == ModelConfig.from_dict(TINY).num_params() and r["max_tokens_per_step"] == 16
+    assert r["num_params"] == config_from_dict(TINY).num_params() and r["max_tokens_per_step"] == 16
 
     # the readable block shows the JSON's figures, one "label  value" row each
     lines = bench_serving.readable(r).splitlines()
@@ -60,7 +60,7 @@ def test_bench_serving_json(tmp_path, capsys):
         f"{r['kv_utilisation_paged']:.1%} / {r['kv_utilisation_contiguous']:.1%}")
 
 
-def test_bench_serving_http_matches_in_process(tmp_path, capsys, monkeypatch):
+def test_bench_serving_http_matches_in_process(capsys, monkeypatch, random_checkpoint):
     """--http: the same workload in-process and over HTTP; every token arrives both ways, in order."""
     from jaxinfer.tokenizer import IncrementalDetokenizer
 
@@ -82,9 +82,9 @@ def test_bench_serving_http_matches_in_process(tmp_path, capsys, monkeypatch):
         return records[-1]
 
     measure = bench_serving.measure
-    monkeypatch.setattr("jaxinfer.engine.IncrementalDetokenizer", IdText)
+    monkeypatch.setattr("jaxinfer.engine.core.IncrementalDetokenizer", IdText)
     monkeypatch.setattr(bench_serving, "measure", spy)
-    path = write_random_checkpoint(tmp_path / "tiny", TINY)
+    path = random_checkpoint(TINY)
     argv = ["--model", str(path), "--http", "--num-requests", "5", "--concurrency", "3", "--prompt-len-range", "4",
             "24", "--output-len-range", "2", "8", "--dtype", "float32", "--seed", "1", "--json"]
     assert bench_serving.main(argv) == 0

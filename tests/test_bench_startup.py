@@ -2,15 +2,15 @@
 
 import argparse
 
-from jaxinfer import bench_startup
-from jaxinfer.random_model import DEFAULT, write_random_checkpoint
+from jaxinfer.bench import startup as bench_startup
+from jaxinfer.random_model import DEFAULT
 
 TINY = {**DEFAULT, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
-def test_cold_compiles_warm_reads_back(tmp_path, monkeypatch):
-    path = write_random_checkpoint(tmp_path / "tiny", TINY)
+def test_cold_compiles_warm_reads_back(monkeypatch, random_checkpoint):
+    path = random_checkpoint(TINY)
     monkeypatch.setattr(bench_startup, "checkpoint", lambda preset: str(path))
     r = bench_startup.run(argparse.Namespace(preset=["small"]))["small"]
     cold, warm = r["cold"], r["warm"]

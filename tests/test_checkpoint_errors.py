@@ -16,9 +16,9 @@ import jaxinfer.llm
 from jaxinfer import LLM
 from jaxinfer.checkpoint import Checkpoint, CheckpointError, FusedSpec, SafetensorsFile, load_params, named_specs
 from jaxinfer.config import ConfigError, ModelConfig
-from jaxinfer.layers import Weights
+from jaxinfer.device.layers import Weights
 from jaxinfer.mesh import MeshConfig
-from jaxinfer.models import model_for
+from jaxinfer.models import config_from_dir, model_for
 from jaxinfer.sharding import Layout, kv_head_repeat
 
 ST = "model.safetensors"
@@ -299,7 +299,7 @@ def raw_tensors(path: Path) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def llama_fixture(hf_tiny):
-    cfg = ModelConfig.from_dir(hf_tiny / "llama")
+    cfg = config_from_dir(hf_tiny / "llama")
     return cfg, Checkpoint(hf_tiny / "llama"), load_file(str(hf_tiny / "llama" / ST))
 
 
@@ -380,7 +380,7 @@ def our_layout(spec, tensors: dict[str, np.ndarray]) -> np.ndarray:
 @pytest.mark.parametrize("fixture, tp", [("llama", 2), ("llama", 8), ("qwen2", 4), ("llama3_scaled", 4)])
 def test_every_device_reads_its_shard(fixture, tp, hf_tiny):
     """For each parameter and device of a tp mesh, read(its index) equals the full tensor sliced."""
-    cfg = ModelConfig.from_dir(hf_tiny / fixture)
+    cfg = config_from_dir(hf_tiny / fixture)
     ckpt = Checkpoint(hf_tiny / fixture)
     tensors = {}
     for f in sorted((hf_tiny / fixture).glob("*.safetensors")):
@@ -402,7 +402,7 @@ def test_every_device_reads_its_shard(fixture, tp, hf_tiny):
 
 def test_bf16_fixture_reads_bfloat16(hf_tiny):
     path = hf_tiny / "llama3_scaled"
-    cfg = ModelConfig.from_dir(path)
+    cfg = config_from_dir(path)
     assert cfg.checkpoint_dtype == "bfloat16" and cfg.tie_word_embeddings
     ckpt = Checkpoint(path)
     full = raw_tensors(path / ST)
@@ -427,7 +427,7 @@ def test_read_is_a_memory_map_view(hf_tiny):
 
 def test_load_params_places_each_shard(hf_tiny):
     """A full load on tp=2 (no engine: Engine is patched) places each device's shard correctly."""
-    cfg = ModelConfig.from_dir(hf_tiny / "llama")
+    cfg = config_from_dir(hf_tiny / "llama")
     layout = Layout(MeshConfig(tp=2).make())
     specs = weight_specs(cfg, kv_head_repeat(cfg, 2), 2)
     params = load_params(Checkpoint(hf_tiny / "llama"), specs, layout.sharding, np.float32)
@@ -469,7 +469,7 @@ def test_fused_weights_hold_each_devices_columns(fixture, tp, hf_tiny):
     """On a tp mesh each device's slice of the fused q/k/v (and bias) and gate/up weights is that device's
     q, k, v (gate, up) column shards of the checkpoint, side by side."""
     path = hf_tiny / fixture
-    cfg = ModelConfig.from_dir(path)
+    cfg = config_from_dir(path)
     tensors = all_tensors(path)
     layout = Layout(MeshConfig(tp=tp).make())
     params = load_params(Checkpoint(path), weight_specs(cfg, kv_head_repeat(cfg, tp), tp), layout.sharding,
@@ -503,7 +503,7 @@ def test_fused_expert_weights_hold_each_devices_columns(mesh, hf_tiny):
     """Mixtral's experts: each device's slice of the fused gate/up (w1/w3) weight is, for each of its experts,
     that device's w1 and w3 column shards side by side."""
     path = hf_tiny / "mixtral"
-    cfg = ModelConfig.from_dir(path)
+    cfg = config_from_dir(path)
     tensors = all_tensors(path)
     layout = Layout(mesh.make())
     params = load_params(Checkpoint(path), weight_specs(cfg, kv_head_repeat(cfg, mesh.tp), mesh.tp),
@@ -525,7 +525,7 @@ def test_fused_expert_weights_hold_each_devices_columns(mesh, hf_tiny):
 
 
 def test_fused_weights_refuse_a_layout_of_other_shards(hf_tiny):
-    cfg = ModelConfig.from_dir(hf_tiny / "llama")
+    cfg = config_from_dir(hf_tiny / "llama")
     layout = Layout(MeshConfig(tp=2).make())
     with pytest.raises(ValueError) as e:
         load_params(Checkpoint(hf_tiny / "llama"), weight_specs(cfg, 1, 1), layout.sharding, np.float32)

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from jaxinfer.config import ConfigError, ModelConfig
+from jaxinfer.config import ConfigError
+from jaxinfer.models import config_from_dict
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def with_(c: dict, **kw) -> dict:
 ])
 def test_sliding_window_caps_the_context_only_where_it_is_used(qwen2, arch, keys, capped):
     c = with_(qwen2, architectures=[arch], max_position_embeddings=4096, sliding_window=1024, use_sliding_window=None)
-    cfg = ModelConfig.from_dict({**c, **keys})
+    cfg = config_from_dict({**c, **keys})
     assert cfg.context_length == (1024 if capped else 4096)
 
 
@@ -47,14 +48,14 @@ def test_sliding_window_caps_the_context_only_where_it_is_used(qwen2, arch, keys
 ])
 def test_rope_scaling_without_its_keys_is_refused_at_load(llama, rope, missing):
     with pytest.raises(ConfigError) as e:
-        ModelConfig.from_dict(with_(llama, rope_scaling=rope))
+        config_from_dict(with_(llama, rope_scaling=rope))
     assert missing in str(e.value) and rope.get("rope_type", rope.get("type")) in str(e.value)
 
 
 def test_a_complete_llama3_rope_loads(llama):
     rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 256}
-    cfg = ModelConfig.from_dict(with_(llama, rope_scaling=rope))
+    cfg = config_from_dict(with_(llama, rope_scaling=rope))
     assert cfg.rope == rope
 
 
@@ -65,7 +66,7 @@ def test_a_complete_llama3_rope_loads(llama):
 ])
 def test_math_jaxinfer_does_not_compute_is_refused(llama, key, value, says):
     with pytest.raises(ConfigError, match=None) as e:
-        ModelConfig.from_dict(with_(llama, **{key: value}))
+        config_from_dict(with_(llama, **{key: value}))
     assert says in str(e.value)
 
 
@@ -77,10 +78,10 @@ def test_math_jaxinfer_does_not_compute_is_refused(llama, key, value, says):
     ("MistralForCausalLM", {"attention_bias": True, "mlp_bias": True}, (False, False, False)),  # not read there
 ])
 def test_biases_follow_each_architecture(llama, arch, keys, want):
-    cfg = ModelConfig.from_dict({**with_(llama, architectures=[arch]), **keys})
+    cfg = config_from_dict({**with_(llama, architectures=[arch]), **keys})
     assert (cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias) == want
 
 
 def test_unknown_architecture_names_the_registry(llama):
     with pytest.raises(ConfigError, match="jaxinfer.models.register"):
-        ModelConfig.from_dict(with_(llama, architectures=["GPT2LMHeadModel"]))
+        config_from_dict(with_(llama, architectures=["GPT2LMHeadModel"]))

@@ -5,20 +5,16 @@ import re
 import pytest
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.batch import bucket
+from jaxinfer.engine.packer import bucket
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llama_on(hf_tiny):
-    """mesh -> the tiny Llama on that mesh, built once per module and mesh."""
-    built = {}
-
+def llama_on(tiny_llm):
+    """mesh -> the tiny Llama on that mesh, built once per session and mesh (tests/conftest.py)."""
     def get(mesh: str) -> LLM:
-        if mesh not in built:
-            built[mesh] = LLM(hf_tiny / "llama", mesh=mesh, dtype="float32")
-        return built[mesh]
+        return tiny_llm(mesh=mesh)
     return get
 
 
@@ -79,7 +75,7 @@ def test_decode_step_has_two_all_reduces_per_layer(mesh, batch, prompts, llama_o
         assert collective_counts(decode, kind) == (0, 0)
     # prefill: each replica's prompts packed flat (requests alternate between replicas), padded to a bucket
     lengths = [len(p) for p in prompts[:batch]]
-    N = next(n for n in llm.engine.prefill_sizes if n >= bucket(max(sum(lengths[i::dp]) for i in range(dp))))
+    N = next(n for n in llm.engine.packer.prefill_sizes if n >= bucket(max(sum(lengths[i::dp]) for i in range(dp))))
     assert collective_counts(prefill, "all-reduce") == (2 * L + 1, (2 * L + 1) * N * E * f32)
 
 
@@ -91,8 +87,8 @@ def test_each_tp_rank_filters_only_its_own_rows(llama_tp4, prompts):
     sampled = SamplingParams(max_tokens=4, temperature=0.9, top_p=0.8, seed=3, ignore_eos=True)
     llama_tp4.generate(prompts[:4], sampled)
     engine, V = llama_tp4.engine, llama_tp4.config.vocab_size
-    prompt_step = next(n for n in engine.prefill_sizes if n >= bucket(sum(map(len, prompts[:4]))))
-    for step, slots in (("decode", 4), ("prefill", min(prompt_step, engine.max_seqs))):
+    prompt_step = next(n for n in engine.packer.prefill_sizes if n >= bucket(sum(map(len, prompts[:4]))))
+    for step, slots in (("decode", 4), ("prefill", min(prompt_step, engine.packer.max_seqs))):
         text = engine.runner.last[step].as_text()
         rows = {int(n) for n in re.findall(rf"= \(?[fu]32\[(\d+),{V}\]", text)}
         assert rows and max(rows) == slots // 4, (step, rows)

@@ -10,14 +10,15 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams, launch
 from jaxinfer.config import EngineConfig
-from jaxinfer.engine import EngineStalled, RequestError
+from jaxinfer.engine.core import EngineStalled, RequestError
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llm(hf_tiny):
-    return LLM(hf_tiny / "llama", dtype="float32", max_tokens_per_step=32)
+def llm(tiny_llm):
+    """The one-device Llama other modules share (its 64-token budget changes nothing checked here)."""
+    return tiny_llm(max_tokens_per_step=64)
 
 
 @pytest.mark.parametrize("field, value, says", [

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.engine_loop import EngineDead
+from jaxinfer.engine.loop import EngineDead
+from jaxinfer.engine.scheduler import Request, Scheduler
 from jaxinfer.sampling import SamplingArrays
-from jaxinfer.scheduler import Request, Scheduler
 
 MARK = 2**32 - 5   # the faulty request's seed (greedy: the seed changes nothing else); unseeded ones draw < 2**31
 GREEDY = dict(temperature=0, ignore_eos=True)

@@ -1,23 +1,23 @@
-"""A seeded fuzz run against a live server (jaxinfer.fuzz_serving): a few hundred malformed and extreme requests
+"""A seeded fuzz run against a live server (jaxinfer.serve.fuzz): a few hundred malformed and extreme requests
 beside a healthy stream. Every answer is a 200 or a 4xx with an OpenAI error body, the healthy stream gets its
 tokens alone, and afterwards the pool is whole and /metrics agrees with the engine. (A larger run:
-`python -m jaxinfer.fuzz_serving --requests 5000`.)"""
+`python -m jaxinfer.serve.fuzz --requests 5000`.)"""
 
 import asyncio
 
 import pytest
 
-from jaxinfer import LLM, SamplingParams
-from jaxinfer.bench_serving import http_server
-from jaxinfer.fuzz_serving import fuzz, main, malformed, metric
+from jaxinfer import SamplingParams
+from jaxinfer.serve.fuzz import fuzz, main, malformed, metric
+from jaxinfer.serve.server import http_server
 
 NAME = "tiny-llama"
 HEALTHY = ([1, 250, 96, 173, 17, 299], 40)
 
 
 @pytest.fixture(scope="module")
-def llm(hf_tiny):
-    return LLM(hf_tiny / "llama", dtype="float32", max_tokens_per_step=64)
+def llm(tiny_llm):
+    return tiny_llm(max_tokens_per_step=64)
 
 
 def test_the_generator_is_seeded_and_varied():

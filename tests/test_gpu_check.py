@@ -2,7 +2,6 @@
 (the GPU machine may lack them): the JSON's structure and its numbers against what the dry run must give."""
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxinfer.gpu_check import DRY_RUN, Clock, junit_counts, parse_args
+from jaxinfer.bench.gpu_check import DRY_RUN, Clock, junit_counts, parse_args
 from jaxinfer.random_model import DEFAULT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,11 +24,11 @@ sys.meta_path.insert(0, Block())
 
 
 @pytest.fixture(scope="module")
-def dry_run(tmp_path_factory) -> tuple[dict, str, subprocess.CompletedProcess, float]:
+def dry_run(tmp_path_factory, subprocess_env) -> tuple[dict, str, subprocess.CompletedProcess, float]:
     site = tmp_path_factory.mktemp("site")
     (site / "sitecustomize.py").write_text(BLOCKER)
     out = tmp_path_factory.mktemp("out")
-    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(site)}
+    env = {**subprocess_env, "PYTHON": sys.executable, "PYTHONPATH": str(site)}
     t0 = time.monotonic()
     proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), str(out), "--dry-run"], env=env,
                           capture_output=True, text=True, timeout=600)

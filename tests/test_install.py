@@ -39,19 +39,23 @@ def run_python(code: str, target: Path, cwd: Path) -> subprocess.CompletedProces
 
 
 def test_installed_files(target):
+    """Every source file of the package and of the folders installed inside it ships, the CPU kernel's C++
+    source (compiled on first use) and the mesh presets included."""
     pkg = target / "jaxinfer"
-    for f in ("__init__.py", "llm.py", "launch.py", "layers.py", "runner.py", "scheduler.py", "batch.py",
-              "attention/__init__.py", "attention/paged.py", "attention/cpu.py",
-              "attention/paged_attention_cpu.cc",    # the CPU kernel's source, compiled on first use
-              "models/__init__.py", "models/base.py",
-              "models/llama.py", "pallas_kernels/__init__.py", "meshes/__init__.py"):
-        assert (pkg / f).is_file(), f
+    shipped = {"jaxinfer": "", "models": "models/", "pallas_kernels": "pallas_kernels/", "meshes": "meshes/"}
+    for folder, inside in shipped.items():
+        files = [f for f in (REPO / folder).rglob("*") if f.suffix in (".py", ".cc", ".toml")
+                 and "__pycache__" not in f.parts]
+        assert files, folder
+        for f in files:
+            assert (pkg / inside / f.relative_to(REPO / folder)).is_file(), f
+    assert (pkg / "device" / "attention" / "paged_attention_cpu.cc").is_file()
     assert not (target / "models").exists() and not (target / "meshes").exists()    # only under jaxinfer/
 
 
 def test_import_from_outside_the_repo(target, tmp_path):
     r = run_python("""
-        import jaxinfer, jaxinfer.attention, jaxinfer.models, jaxinfer.pallas_kernels
+        import jaxinfer, jaxinfer.device.attention, jaxinfer.models, jaxinfer.pallas_kernels
         from jaxinfer.models import llama
         from importlib import resources
         from jaxinfer.mesh import MeshConfig
@@ -63,7 +67,7 @@ def test_import_from_outside_the_repo(target, tmp_path):
         print(jaxinfer.models.__file__)
         print(jaxinfer.pallas_kernels.__file__)
         print(llama.__file__)
-        print(jaxinfer.attention.__file__)
+        print(jaxinfer.device.attention.__file__)
         print(",".join(presets))
         assert issubclass(llama.Llama, jaxinfer.models.Model) and callable(jaxinfer.LLM)
         assert jaxinfer.models.ARCHITECTURES["LlamaForCausalLM"] is llama.Llama

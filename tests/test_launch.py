@@ -15,9 +15,10 @@ LAYERS = DEFAULT["num_hidden_layers"]
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """One JAXINFER_CACHE for the module, so the random default model is written once."""
-    return tmp_path_factory.mktemp("jaxinfer-cache")
+def cache(shared_cache):
+    """The run's JAXINFER_CACHE (tests/conftest.py): the random default model is written once, the CPU attention
+    kernel is already there."""
+    return shared_cache
 
 
 def launch(cache, *args, timeout=300) -> subprocess.CompletedProcess:

@@ -10,6 +10,7 @@ import pytest
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.mesh import AXES, MeshConfig, MeshError
+from jaxinfer.models import config_from_dict, config_from_dir
 from jaxinfer.sharding import kv_head_repeat, validate, validate_sp
 
 
@@ -20,12 +21,12 @@ def packaged_presets() -> list[str]:
 
 @pytest.fixture(scope="module")
 def llama(hf_tiny) -> ModelConfig:
-    return ModelConfig.from_dir(hf_tiny / "llama")
+    return config_from_dir(hf_tiny / "llama")
 
 
 @pytest.fixture(scope="module")
 def qwen3(hf_tiny) -> ModelConfig:
-    return ModelConfig.from_dir(hf_tiny / "qwen3")
+    return config_from_dir(hf_tiny / "qwen3")
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def llama_variant(hf_tiny):
     def variant(**changes) -> ModelConfig:
         c = json.loads((hf_tiny / "llama" / "config.json").read_text())
         c.update(changes)
-        return ModelConfig.from_dict(c)
+        return config_from_dict(c)
     return variant
 
 

@@ -11,8 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer import sharding
 from jaxinfer.collectives import collective_report
+from jaxinfer.device.moe import moe, moe_reference
 from jaxinfer.mesh import MeshConfig
-from jaxinfer.moe import moe, moe_reference
 from jaxinfer.sharding import Layout
 
 RULES = tuple(dict(sharding.RULES, batch=("dp", "ep"), experts="ep").items())

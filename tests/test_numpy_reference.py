@@ -14,8 +14,8 @@ from safetensors.numpy import load_file
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.checkpoint import ParamSpec
 from jaxinfer.config import ModelConfig, decoder_fields
-from jaxinfer.layers import ACTIVATIONS
-from jaxinfer.models import ARCHITECTURES, Llama, register
+from jaxinfer.device.layers import ACTIVATIONS
+from jaxinfer.models import ARCHITECTURES, Llama, config_from_dir, register
 from jaxinfer.random_model import DEFAULT, write_random_checkpoint
 
 SMALL = {**DEFAULT, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -90,7 +90,7 @@ def test_llama_attention_and_mlp_biases_are_applied(tmp_path):
         assert f"model.layers.1.self_attn.{name}.bias" in tensors
     for name in ("gate_proj", "up_proj", "down_proj"):
         assert f"model.layers.1.mlp.{name}.bias" in tensors
-    cfg = ModelConfig.from_dir(path)
+    cfg = config_from_dir(path)
     assert cfg.qkv_bias and cfg.o_bias and cfg.mlp_bias
     assert cfg.num_params() == sum(a.size for a in tensors.values())
     single = check(LLM(path, dtype="float32"), tensors, config, swiglu)
@@ -136,7 +136,7 @@ def test_research_architecture_is_registered_with_its_own_weights(research):
     path, _, tensors = research
     assert ARCHITECTURES["GeluLlamaForCausalLM"] is GeluLlama
     assert "model.layers.0.mlp.fc_in.weight" in tensors and "model.layers.0.mlp.gate_proj.weight" not in tensors
-    assert ModelConfig.from_dir(path).architecture == "GeluLlamaForCausalLM"
+    assert config_from_dir(path).architecture == "GeluLlamaForCausalLM"
 
 
 def test_research_architecture_serves_on_every_layout(research):

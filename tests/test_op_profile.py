@@ -1,10 +1,10 @@
-"""jaxinfer.op_profile: a traced jitted function, summed by XLA operation."""
+"""jaxinfer.bench.op_profile: a traced jitted function, summed by XLA operation."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxinfer.op_profile import hlo_sources, op_times
+from jaxinfer.bench.op_profile import hlo_sources, op_times
 
 
 def test_operations_are_summed_leaves_only(tmp_path):

@@ -6,7 +6,6 @@ batch files give one line per request, and SIGTERM drains, aborts what outlasts 
 
 import asyncio
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -22,10 +21,10 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.batch_job import run_batch_file
-from jaxinfer.openai_api import OpenAIServing
-from jaxinfer.scheduler import Request
-from jaxinfer.serve import MAX_REQUEST_BYTES, build_app
+from jaxinfer.engine.scheduler import Request
+from jaxinfer.serve.batch_job import run_batch_file
+from jaxinfer.serve.openai_api import OpenAIServing
+from jaxinfer.serve.server import MAX_REQUEST_BYTES, build_app
 
 KEY, NAME = "sk-test", "tiny-llama"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -39,8 +38,8 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def llm(hf_tiny):
-    return LLM(hf_tiny / "llama", dtype="float32", max_tokens_per_step=64)
+def llm(tiny_llm):
+    return tiny_llm(max_tokens_per_step=64)
 
 
 def live(llm):
@@ -560,13 +559,13 @@ def test_a_batch_file_gives_one_result_line_per_request(llm, tmp_path):
     assert results[4]["response"]["body"]["object"] == "chat.completion"
 
 
-def test_sigterm_aborts_what_outlasts_the_grace_period_then_exits_0(tmp_path):
+def test_sigterm_aborts_what_outlasts_the_grace_period_then_exits_0(tmp_path, subprocess_env):
     """The CLI on the embedded default with --grace-period 1: a streamed and a non-streamed request still running
     when the grace period is over end normally with finish_reason "abort" (the stream's last chunk then [DONE];
     a 200 body with the tokens so far); the server then stops listening and the process exits 0, with no
     traceback in its log."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAXINFER_CACHE": str(tmp_path)}
+    env = {k: v for k, v in subprocess_env.items() if k != "XLA_FLAGS"}
     proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.serve", "--port", str(port), "--grace-period", "1",
                              "--no-warmup"],
                             env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -1,4 +1,4 @@
-"""Overlapped scheduling (jaxinfer.engine): step k+1 is dispatched before step k's tokens reach the host, and
+"""Overlapped scheduling (jaxinfer.engine.core): step k+1 is dispatched before step k's tokens reach the host, and
 the tokens are exactly the synchronous loop's, whatever ends the requests."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams
 
-MESHES = ["tp=1", "dp=2,tp=2"]
+MESHES = ["tp=1", "dp=2,tp=2", "pp=2"]
 
 
 @pytest.fixture(scope="module", params=MESHES)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxinfer.page_pool import ROOT_KEY, PagePool, page_hashes
+from jaxinfer.engine.page_pool import ROOT_KEY, PagePool, page_hashes
 
 P = 4  # page size
 
@@ -225,7 +225,7 @@ def test_keys_are_stable_across_processes():
     outs = []
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        run = subprocess.run([sys.executable, "-c", code, str(root / "jaxinfer" / "page_pool.py")],
+        run = subprocess.run([sys.executable, "-c", code, str(root / "jaxinfer" / "engine" / "page_pool.py")],
                              env=env, capture_output=True, text=True, check=True, timeout=60)
         outs.append(run.stdout.split())
     assert outs[0] == outs[1] == [k.hex() for k in page_hashes(tokens, P)]

@@ -1,4 +1,4 @@
-"""Pipeline parallel over pp (jaxinfer/pipeline.py): stages that do not divide evenly, mixed layer stacks,
+"""Pipeline parallel over pp (jaxinfer/device/pipeline.py): stages that do not divide evenly, mixed layer stacks,
 the microbatches in flight across engine steps, the compiled step's communication, and the bubble count.
 The fixtures' logits and greedy paths at pp layouts are in test_fixtures.py."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.collectives import collective_report
-from jaxinfer.pipeline import padding_slots, stage_bounds
+from jaxinfer.device.pipeline import padding_slots, stage_bounds
 from jaxinfer.random_model import DEFAULT, write_random_checkpoint
 from jaxinfer.sharding import device_bytes
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.attention import choose_backend, cpu
+from jaxinfer.device.attention import choose_backend, cpu
 from jaxinfer.pallas_kernels.ragged_paged_attention import (
     merge_partials,
     paged_attention_partial,

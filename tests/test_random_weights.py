@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxinfer.layers import unfuse
+from jaxinfer.checkpoint import unfuse
 from jaxinfer.llm import LLM
 from jaxinfer.random_model import DEFAULT, ensure
 

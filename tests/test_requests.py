@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.engine import RequestError
+from jaxinfer.engine.core import RequestError
 
 PROMPT = "The capital of France is"
 SAMPLED = dict(temperature=0.8, top_p=0.9, top_k=20)
 
 
 @pytest.fixture(scope="module")
-def llm(hf_tiny) -> LLM:
-    return LLM(hf_tiny / "llama", mesh="", dtype="float32")
+def llm(tiny_llm) -> LLM:
+    return tiny_llm()
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_sequences_share_scoring_steps_and_score_as_each_alone(llm, llama_golden
     steps, score = [], llm.engine.runner.score
     monkeypatch.setattr(llm.engine.runner, "score", lambda batch: steps.append(batch) or score(batch))
     together = llm.logits(sequences)
-    assert len(steps) == -(-sum(map(len, sequences)) // llm.engine.max_tokens)     # every step but the last full
+    assert len(steps) == -(-sum(map(len, sequences)) // llm.engine.packer.max_tokens)     # every step but the last full
     for a, b in zip(alone, together, strict=True):
         assert a.shape == b.shape
         np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)

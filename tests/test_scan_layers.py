@@ -1,5 +1,5 @@
 """The layer loop two ways: one lax.scan per layer stack, or over one array per layer and weight
-(jaxinfer.layers.one_stack_per_layer and switched_layers; the default on CPU for large layers). Same
+(jaxinfer.device.layers.one_stack_per_layer and switched_layers; the default on CPU for large layers). Same
 logits, same tokens."""
 
 import re
@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.batch import pack
-from jaxinfer.layers import UNROLL_LAYER_BYTES, LayerStack, StepContext, layer_bytes, run_layers
+from jaxinfer.device.layers import UNROLL_LAYER_BYTES, LayerStack, StepContext, layer_bytes, run_layers
+from jaxinfer.engine.scheduler import SchedulerOutput
 from jaxinfer.random_model import DEFAULT
-from jaxinfer.scheduler import SchedulerOutput
 
 
 @pytest.mark.parametrize("name, mesh", [("llama", "tp=2"), ("qwen3_moe", "ep=2")])
@@ -63,7 +62,7 @@ def test_default_unrolls_only_layers_larger_than_the_caches(hf_tiny):
 def weight_shaped_arrays(llm: LLM) -> list[str]:
     """Arrays of a layer weight's shape that a decode step's optimized program makes: copies of weights."""
     engine = llm.engine
-    batch = pack([SchedulerOutput([])], engine.config.page_size, engine.pages_per_replica, engine.table_width, (2, 2))
+    batch = engine.packer.pack([SchedulerOutput([])], (2, 2))
     program = engine.runner.compile("step", batch).as_text()
     shapes = {",".join(map(str, a.shape[1:])) for s in llm.weights.layers for a in jax.tree.leaves(s.weights)
               if a.ndim > 2}

@@ -3,9 +3,9 @@ full pool, prefix-cache hits, and progress where pages are scarce. Sampled token
 
 import pytest
 
-from jaxinfer.page_pool import PagePool
+from jaxinfer.engine.page_pool import PagePool
+from jaxinfer.engine.scheduler import Request, Scheduler
 from jaxinfer.sampling import SamplingParams
-from jaxinfer.scheduler import Request, Scheduler
 
 P = 4  # tokens per page
 

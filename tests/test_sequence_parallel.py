@@ -1,4 +1,4 @@
-"""Sequence parallel over sp (jaxinfer/attention/ring.py): ring attention for prefill, decode over KV pages
+"""Sequence parallel over sp (jaxinfer/device/attention/ring.py): ring attention for prefill, decode over KV pages
 sharded across sp, the per-rank page allocator, the compiled step's communication and refusals. The
 fixtures' logits and greedy paths at sp layouts are in test_fixtures.py."""
 
@@ -8,15 +8,16 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.attention import attention
-from jaxinfer.batch import pack, ring_order, table_width
 from jaxinfer.collectives import collective_report
-from jaxinfer.engine import RequestError
-from jaxinfer.kv_cache import PagedKVCache
+from jaxinfer.device.attention import attention
+from jaxinfer.device.kv_cache import PagedKVCache
+from jaxinfer.engine.core import RequestError
+from jaxinfer.engine.packer import pack, table_width
+from jaxinfer.engine.page_pool import PagePool, page_hashes
+from jaxinfer.engine.scheduler import ScheduledSequence, SchedulerOutput
 from jaxinfer.mesh import MeshConfig, MeshError
-from jaxinfer.page_pool import PagePool, page_hashes
-from jaxinfer.scheduler import ScheduledSequence, SchedulerOutput
 from jaxinfer.sharding import Layout
+from jaxinfer.step import ring_order
 
 TOL = 1e-4
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -27,8 +28,8 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def one(hf_tiny):
-    return LLM(hf_tiny / "llama", dtype="float32", max_tokens_per_step=64)
+def one(tiny_llm):
+    return tiny_llm(max_tokens_per_step=64)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +156,7 @@ def test_sp4_prefill_permutes_w_minus_1_times_per_layer_and_decode_bytes_do_not_
         runner = sp4.engine.runner
         reports[n] = {phase: collective_report(runner.last[phase].as_text()) for phase in ("prefill", "decode")}
     # the last prefill chunk: 20 tokens and 200 - 3 * 64 = 8 tokens, in the prompt-step sizes 16 and 64
-    assert sp4.engine.prefill_sizes == [16, 64]
+    assert sp4.engine.packer.prefill_sizes == [16, 64]
     for r, chunk in ((reports[20], 64), (reports[200], 16)):
         # the ring: W - 1 permutes per layer of each rank's K and V block [chunk / W tokens, 2, KV, D]
         permutes = {"count": L * (W - 1), "bytes": L * (W - 1) * chunk // W * 2 * KV * D * 4}

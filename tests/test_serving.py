@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.engine import RequestError
+from jaxinfer.engine.core import RequestError
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -41,8 +41,8 @@ def llama(hf_tiny):
 
 
 @pytest.fixture(scope="module")
-def single(llama):
-    return LLM(llama, dtype="float32", max_tokens_per_step=32)
+def single(tiny_llm):
+    return tiny_llm(max_tokens_per_step=32)
 
 
 @pytest.fixture(scope="module")

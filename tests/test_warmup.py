@@ -9,14 +9,15 @@ import sys
 
 import pytest
 
-from jaxinfer import LLM, SamplingParams, compilation_cache
-from jaxinfer.batch import GREEDY as GREEDY_ARRAYS
-from jaxinfer.batch import pack, prefill_sizes
-from jaxinfer.compilation_cache import compilation_cache_dir
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.device import compilation_cache
+from jaxinfer.device.compilation_cache import compilation_cache_dir
+from jaxinfer.device.runner import ModelRunner
+from jaxinfer.engine.packer import GREEDY as GREEDY_ARRAYS
+from jaxinfer.engine.packer import pack, prefill_sizes
+from jaxinfer.engine.scheduler import ScheduledSequence, SchedulerOutput
+from jaxinfer.engine.warmup import warmup_shapes
 from jaxinfer.models import Llama
-from jaxinfer.runner import ModelRunner
-from jaxinfer.scheduler import ScheduledSequence, SchedulerOutput
-from jaxinfer.warmup import warmup_shapes
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
 
@@ -33,7 +34,7 @@ def test_warmup_compiles_the_serving_buckets_and_generate_compiles_nothing_new(l
     # decodes of 1 and 2 sequences, and prompt steps of the 16-token budget with both sequence slots (a lone
     # prompt too); one page-table width (the 512-token context's 32 entries) for every sequence length
     assert shapes == [(1, 1, False), (2, 2, False), (16, 2, False)]
-    assert llm.engine.table_width == 32
+    assert llm.engine.packer.table_width == 32
     assert llm.warmup(progress=False) == len(shapes) == llm.engine.compilations
     prompts = [list(range(10, 17)), list(range(20, 28))]   # one 15-token prefill step, then decodes of 2
     out = llm.generate(prompts, [GREEDY, SamplingParams(max_tokens=3, temperature=0.8, seed=1, ignore_eos=True)])
@@ -72,7 +73,8 @@ def fresh_process(hf_tiny, cache) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def test_a_restart_loads_its_step_executables_and_compiles_nothing(hf_tiny, tmp_path, monkeypatch):
+def test_a_restart_loads_its_step_executables_and_compiles_nothing(hf_tiny, tmp_path, monkeypatch, put_cpu_kernel):
+    put_cpu_kernel(tmp_path)     # the C++ kernel a machine already has (tests/conftest.py); the XLA cache starts empty
     monkeypatch.setenv("JAXINFER_CACHE", str(tmp_path))
     cold = fresh_process(hf_tiny, tmp_path)
     entries = sorted(compilation_cache_dir().rglob("*"))
@@ -94,10 +96,10 @@ class Registered(Llama):
 
 def test_a_step_executable_is_kept_under_everything_it_depends_on(llm, tmp_path, monkeypatch, caplog):
     engine, runner = llm.engine, llm.engine.runner
-    batch = pack([SchedulerOutput([])], engine.config.page_size, engine.pages_per_replica, engine.table_width, (1, 1))
+    batch = engine.packer.pack([SchedulerOutput([])], (1, 1))
 
     def fresh(model=llm.model) -> ModelRunner:
-        return ModelRunner(model, llm.layout, runner.weights, runner.cache, runner.backend, engine.max_seqs,
+        return ModelRunner(model, llm.layout, runner.weights, runner.cache, runner.backend, engine.packer.max_seqs,
                            executables=tmp_path)
 
     first = fresh()

@@ -1,0 +1,3 @@
+"""Measurements: `python -m jaxinfer.bench` (decode and prefill, the default), and one module per question,
+each run as `python -m jaxinfer.bench.<name>`: attention, pipeline, sequence, serving, startup, sampler,
+gpu_check; op_profile and xla_floor serve the decode benchmark."""

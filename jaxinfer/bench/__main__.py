@@ -1,0 +1,5 @@
+import sys
+
+from jaxinfer.bench.decode import main
+
+sys.exit(main())

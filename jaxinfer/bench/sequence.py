@@ -1,0 +1,142 @@
+"""`python -m jaxinfer.bench.sequence`: sequence parallel at sp = 1, 2, 4, 8: long-prompt prefill, and decode
+against context length.
+
+    python -m jaxinfer.bench.sequence                      # random-weight long-context Llama, defaults below
+    python -m jaxinfer.bench.sequence --prompt-len 16384 --sp 1 2 4 8 --json
+
+- Prefill: one prompt of --prompt-len tokens computed in one step (the whole prompt is one ring), on the
+  first sp devices. Time of that step (compilation excluded, measured on a second prompt of the same
+  length), tokens/s, and eta = T_1 / (sp x T_sp): the fraction of sp devices' time that does useful work.
+  Below 0.6 the parallelism is not paying.
+- Decode: one request at each --contexts length, decode ms per token (decode-only steps, compilation
+  excluded), at --decode-sp sizes; KV bytes per device: the pages of the sequence on its busiest rank.
+- The collectives of each compiled step: the ring's collective-permutes (prefill), the decode merge's
+  all-gather and all-to-all, counts and bytes per device.
+On CPU all fake devices share the host's cores, so sp ranks do not compute in parallel as accelerators
+would: eta here measures the split's overheads (communication, the ring's merge), not its speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from jaxinfer.cli import DTYPES, bench_command
+
+PROMPT_LEN, CONTEXTS = 4096, (1024, 4096)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m jaxinfer.bench.sequence", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: the random-weight "
+                   "long-context Llama BENCH_LONG, 16k context)")
+    p.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4, 8], help="sp sizes for the prefill")
+    p.add_argument("--decode-sp", type=int, nargs="+", default=[1, 2, 4], help="sp sizes for decode")
+    p.add_argument("--prompt-len", type=int, default=PROMPT_LEN, help="prefill prompt tokens")
+    p.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS), help="decode context lengths")
+    p.add_argument("--decode-tokens", type=int, default=16, help="tokens generated per decode measurement")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="default float32 on CPU, bfloat16 on accelerators")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    args = p.parse_args(argv)
+    args.mesh = f"sp={max(args.sp + args.decode_sp)}"
+    return args
+
+
+def _llm(path, sp: int, dtype: str, max_tokens: int):
+    from jaxinfer.llm import LLM
+
+    return LLM(path, mesh=f"sp={sp}", dtype=dtype, max_tokens_per_step=max_tokens, max_num_seqs=1,
+               prefix_caching=False)
+
+
+def _run(llm, prompt: list[int], new_tokens: int):
+    from jaxinfer.sampling import SamplingParams
+
+    before = llm.engine.stats.copy()
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    return llm.engine.stats - before
+
+
+def _collectives(llm, phase: str) -> dict:
+    report = llm.collective_report().get(phase, {})
+    return {k: v for k, v in report.items() if v["count"] and k in ("collective-permute", "all-gather", "all-to-all")}
+
+
+def prefill(path, sp: int, args: argparse.Namespace, dtype: str) -> dict:
+    llm = _llm(path, sp, dtype, args.prompt_len)
+    rng = np.random.default_rng(sp)
+    prompt = lambda: rng.integers(4, llm.config.vocab_size, args.prompt_len).tolist()  # noqa: E731
+    _run(llm, prompt(), 1)                                                   # compiles
+    s = _run(llm, prompt(), 1)
+    return {"sp": sp, "seconds": s.prefill_seconds, "tokens_per_second": args.prompt_len / s.prefill_seconds,
+            "collectives": _collectives(llm, "prefill")}
+
+
+def decode(path, sp: int, args: argparse.Namespace, dtype: str) -> list[dict]:
+    from jaxinfer.device.kv_cache import page_bytes
+
+    llm = _llm(path, sp, dtype, 512)
+    engine, rows = llm.engine, []
+    P = engine.config.page_size
+    per_page = page_bytes(llm.weights.stage_layers, engine.kv_heads // llm.layout.axis_size("kv_heads"), P,
+                          llm.config.head_dim, llm.dtype)
+    rng = np.random.default_rng(sp)
+    for context in args.contexts:
+        prompt = lambda c=context: rng.integers(4, llm.config.vocab_size, c).tolist()  # noqa: E731
+        _run(llm, prompt(), args.decode_tokens)                              # compiles
+        s = _run(llm, prompt(), args.decode_tokens)
+        pages = -(-(context + args.decode_tokens) // P)
+        rows.append({"sp": sp, "context": context, "ms_per_token": 1e3 * s.decode_seconds / s.decode_tokens,
+                     "kv_bytes_per_device": -(-pages // sp) * per_page, "collectives": _collectives(llm, "decode")})
+    return rows
+
+
+def run(args: argparse.Namespace) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer import random_model
+
+    path = args.model or random_model.ensure("bench-long-random-llama", random_model.BENCH_LONG)
+    dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    pre = [prefill(path, sp, args, dtype) for sp in args.sp]
+    for r in pre:
+        r["eta"] = pre[0]["seconds"] / (r["sp"] * r["seconds"])
+    dec = [row for sp in args.decode_sp for row in decode(path, sp, args, dtype)]
+    base = {r["context"]: r["ms_per_token"] for r in dec if r["sp"] == args.decode_sp[0]}
+    for r in dec:
+        r["x_sp1"] = r["ms_per_token"] / base[r["context"]]
+    return {"model": str(path), "label": "BENCH_LONG (random weights)" if args.model is None else str(path),
+            "dtype": jnp.dtype(dtype).name, "platform": jax.devices()[0].platform, "prompt_len": args.prompt_len,
+            "prefill": pre, "decode": dec}
+
+
+def _fmt(collectives: dict) -> str:
+    return ", ".join(f"{k} {v['count']} x / {v['bytes']:,} B" for k, v in collectives.items()) or "none"
+
+
+def readable(r: dict) -> str:
+    lines = [f"model     {r['label']}, {r['dtype']} on {r['platform']}",
+             f"prefill of one {r['prompt_len']}-token prompt in one step",
+             f"{'sp':>3} {'seconds':>8} {'tok/s':>9} {'eta':>6}  collectives per device"]
+    for x in r["prefill"]:
+        lines.append(f"{x['sp']:>3} {x['seconds']:>8.3f} {x['tokens_per_second']:>9.1f} {x['eta']:>6.2f}  "
+                     f"{_fmt(x['collectives'])}")
+    lines += ["eta = T_1 / (sp x T_sp); below 0.6 the parallelism is not paying",
+              "decode of one sequence against its context",
+              f"{'sp':>3} {'context':>8} {'ms/token':>9} {'x sp=1':>7} {'KV MiB/device':>13}  collectives per device"]
+    for x in r["decode"]:
+        lines.append(f"{x['sp']:>3} {x['context']:>8} {x['ms_per_token']:>9.2f} {x['x_sp1']:>7.2f} "
+                     f"{x['kv_bytes_per_device'] / 2**20:>13.2f}  {_fmt(x['collectives'])}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_command(parse_args(argv), run, readable)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

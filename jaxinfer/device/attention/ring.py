@@ -1,0 +1,148 @@
+"""Attention under sequence parallel (sp): a step's tokens and every sequence's KV pages split over sp ranks.
+
+The token axis of a step is split over the sp ranks in the load-balanced causal order (jaxinfer.engine.packer:
+rank r holds chunks r and 2sp-1-r of the row), so QKV, O and the MLP run on 1/sp of the tokens on each
+rank. Page i of every sequence lives on rank i mod sp (jaxinfer.engine.page_pool), so a sequence's KV, and the
+work of attending over it, are spread evenly. Attention then runs one of two ways, chosen per step:
+
+- Prefill (ring attention, `meta.ring`): the ranks' fresh K/V blocks travel the ring with sp - 1
+  collective-permutes per layer, the next one issued before the current block is attended to; each rank
+  writes the keys of every passing block that belong on its pages. With the chunk pairing, the block from
+  a rank holding earlier chunks is attended to by all queries against its first half, one holding later
+  chunks by the second half of the queries against all of it, so every step after the first costs half a
+  block (TransformerEngine's DualChunkSwap). Keys cached before this step (a prefix-cache hit, earlier
+  chunks of the prompt, decoding sequences in the batch) are read where they live: the queries are
+  all-gathered, each rank attends over its own pages, and one all-to-all brings each rank the partials
+  of its tokens.
+- Decode: one all-gather brings every rank all the tokens' q, k and v; each rank writes the keys that
+  belong on its pages and attends every token over its own pages; one all-to-all returns each rank the
+  partial outputs and log-sum-exps of its tokens. Two collectives per layer whose bytes depend on the
+  tokens in the step, never on the context length (vLLM's decode context parallel).
+
+Partials over disjoint keys are merged exactly by their log-sum-exp, in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxinfer.device.attention.paged import KV, META_AXES, Q, one_replica
+from jaxinfer.device.kv_cache import POOL_AXES, PagedKVCache
+from jaxinfer.pallas_kernels.ragged_paged_attention import merge_partials, paged_attention_partial
+from jaxinfer.pallas_kernels.rope_cache import rope, write_pages
+from jaxinfer.sharding import Layout
+from jaxinfer.step import StepMetadata, ring_order
+
+ALL_TOKENS = ("batch", None)  # per-token metadata of the whole row, on every rank
+
+
+def _dense_partial(q, q_pos, q_seq, kv, k_pos, k_seq, scale: float) -> tuple[jax.Array, jax.Array]:
+    """Causal attention of queries [n, H, D] over one block of keys kv [m, 2, KV, D] of the same step:
+    float32 (out [n, H, D], lse [n, H]), 0 and -inf where no key of the block is visible."""
+    n, h, d = q.shape
+    k, v = kv[:, 0], kv[:, 1]
+    qg = q.reshape(n, k.shape[1], h // k.shape[1], d)
+    s = jnp.einsum("nkgd,mkd->nkgm", qg, k, preferred_element_type=jnp.float32) * scale
+    visible = (q_seq[:, None] == k_seq[None, :]) & (q_seq[:, None] >= 0) & (k_pos[None, :] <= q_pos[:, None])
+    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0)[..., None])
+    out = jnp.einsum("nkgm,mkd->nkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(n, h, d), lse.reshape(n, h)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, layer: jax.Array,
+              inv_freq: jax.Array, meta: StepMetadata, layout: Layout) -> tuple[jax.Array, PagedKVCache]:
+    """RoPE, the K/V write and causal attention with tokens and pages split over sp.
+    q [R, N, H, D], k and v [R, N, KV, D] (N in ring order) -> (out [R, N, H, D], cache)."""
+    (axis,) = layout.mesh_axes("seq")
+    W = layout.axis_size("seq")
+    scale = 1.0 / float(q.shape[-1]) ** 0.5
+    ring = [(r, (r + 1) % W) for r in range(W)]
+
+    def local(q, k, v, k_pages, v_pages, layer, meta, inv_freq):
+        q, k, v, m = q[0], k[0], v[0], jax.tree.map(one_replica, meta)
+        rank, n = lax.axis_index(axis), q.shape[0]
+        page, per_rank = k_pages.shape[3], k_pages.shape[2]
+
+        def block(x: jax.Array, src) -> jax.Array:
+            """The slice of a whole-row array that rank `src` holds."""
+            return lax.dynamic_slice_in_dim(x, src * n, n)
+
+        def own_slots(slots: jax.Array) -> jax.Array:
+            """Slots of this rank's pages in its slice of the pool; -1 (not written here) for the others'."""
+            mine = slots // page // per_rank == rank
+            return jnp.where(mine, slots - rank * per_rank * page, -1)
+
+        S, J = m.page_table.shape
+        tables = m.page_table.reshape(S, J // W, W)[:, :, rank] - rank * per_rank   # this rank's pages, in order
+
+        def over_own_pages(q_all: jax.Array, kv_limit: jax.Array) -> tuple[jax.Array, jax.Array]:
+            """Every token of the row over this rank's pages, then to each rank the partials of its tokens:
+            [W, n, H, D] and [W, n, H] (index: the rank whose pages they cover). The reference takes each
+            sequence's tokens contiguous: the row goes back to its natural order and returns to ring order."""
+            order = ring_order(n * W, W)
+            natural = np.argsort(order)
+            out, lse = paged_attention_partial(q_all[natural], m.query_start, m.num_seqs, kv_limit[natural],
+                                               k_pages, v_pages, layer, tables, sm_scale=scale, page_stride=W,
+                                               page_offset=rank)
+            out, lse = out[order], lse[order]
+            both = lax.all_to_all(jnp.concatenate([out, lse[..., None]], -1), axis, 0, 0, tiled=True)
+            both = both.reshape(W, n, *both.shape[1:])
+            return both[..., :-1], both[..., -1]
+
+        pos, tseq = block(m.positions, rank), block(m.token_seq, rank)
+        q, k = rope(q, pos, inv_freq), rope(k, pos, inv_freq)
+        if meta.ring:
+            parts, kv = [], jnp.stack([k, v], axis=1)                  # [n, 2, KV, D]: one permute per step
+            for i in range(W):
+                following = lax.ppermute(kv, axis, ring) if i < W - 1 else None   # issued before the compute
+                src = (rank - i) % W
+                k_pages, v_pages = write_pages(k_pages, v_pages, layer, kv[:, 0], kv[:, 1],
+                                               own_slots(block(m.slots, src)))
+                k_pos, k_seq = block(m.positions, src), block(m.token_seq, src)
+                if i == 0:
+                    parts.append(_dense_partial(q, pos, tseq, kv, k_pos, k_seq, scale))
+                else:
+                    parts.append(_half_block(q, pos, tseq, kv, k_pos, k_seq, src < rank, scale))
+                kv = following
+            q_len = m.query_start[1:] - m.query_start[:-1]
+            before = (m.seq_lens - q_len)[jnp.maximum(m.token_seq, 0)]    # each token's sequence before this step
+            outs, lses = over_own_pages(lax.all_gather(q, axis, tiled=True), before)
+            out, _ = merge_partials(jnp.concatenate([jnp.stack([o for o, _ in parts]), outs]),
+                                    jnp.concatenate([jnp.stack([s for _, s in parts]), lses]))
+        else:
+            qkv = lax.all_gather(jnp.concatenate([q, k, v], axis=1), axis, tiled=True)
+            h, kvh = q.shape[1], k.shape[1]
+            k_pages, v_pages = write_pages(k_pages, v_pages, layer, qkv[:, h: h + kvh], qkv[:, h + kvh:],
+                                           own_slots(m.slots))
+            outs, lses = over_own_pages(qkv[:, :h], m.positions + 1)
+            out, _ = merge_partials(outs, lses)
+        return out.astype(q.dtype)[None], k_pages, v_pages
+
+    axes = META_AXES.replace(positions=ALL_TOKENS, slots=ALL_TOKENS, token_seq=ALL_TOKENS, ring=meta.ring)
+    out, k_pages, v_pages = layout.shard_map(
+        local, in_axes=(Q, KV, KV, POOL_AXES, POOL_AXES, None, axes, None), out_axes=(Q, POOL_AXES, POOL_AXES),
+        check_vma=False,
+    )(q, k, v, cache.k, cache.v, layer, meta, inv_freq)
+    return out, PagedKVCache(k=k_pages, v=v_pages)
+
+
+def _half_block(q, q_pos, q_seq, kv, k_pos, k_seq, earlier: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:
+    """A block from another rank under the chunk pairing: from a rank with earlier chunks (`earlier`) only
+    its first chunk is visible, to all queries; from one with later chunks only the second chunk of the
+    queries sees it. Half the work of the whole block, the same result."""
+    h = q.shape[0] // 2
+
+    def first_half_of_keys():
+        return _dense_partial(q, q_pos, q_seq, kv[:h], k_pos[:h], k_seq[:h], scale)
+
+    def second_half_of_queries():
+        out, lse = _dense_partial(q[h:], q_pos[h:], q_seq[h:], kv, k_pos, k_seq, scale)
+        return (jnp.concatenate([jnp.zeros_like(out), out]),
+                jnp.concatenate([jnp.full_like(lse, -jnp.inf), lse]))
+
+    return lax.cond(earlier, first_half_of_keys, second_half_of_queries)

@@ -1,0 +1,175 @@
+"""Mixture-of-experts FFN (Mixtral / Qwen3-MoE routing), expert parallel over "ep" with one shard_map.
+
+Routing reproduces Hugging Face exactly, ties included: logits = x @ router in x's dtype (as HF's gate
+Linear), softmax over all experts in float32, `lax.top_k` (ties -> lower expert index, like torch.topk), the top-k
+probabilities renormalised if `normalize`, cast to x's dtype; each chosen expert computes
+down(silu(gate(x)) * up(x)) and the k results are weighted and summed.
+
+Expert parallel layout (the rules table): tokens are sharded over the batch axes, which must include the
+experts' axis ("batch" -> ("dp", "ep")), so every ep rank routes its own replica's tokens; experts are
+split over "ep" and each expert's FFN width over "tp" (Megatron: column-parallel gate/up, row-parallel
+down). Gate and up are one weight [X, E, G, 2M/G] stored shard by shard (jaxinfer.checkpoint.FusedSpec:
+block g holds shard g's gate and up columns), so one grouped matmul computes both. Per device, with T
+local tokens, A = T*k assignments and capacity C = A (room for every assignment going to one rank, so no
+token is ever dropped whatever the routing):
+
+1. route; 2. sort the assignments by global expert, which groups them by owner (expert // X_local) and
+   within an owner by local expert, and write them compacted into a fixed [ep, C, .] send buffer;
+3. all-to-all over ep (tiled: split axis 0 = destination, concat axis 0 = source); 4. sort what arrived
+   by local expert and run it through the local experts with `lax.ragged_dot` (gate and up in one); 5.
+   all-to-all back to the source slots; 6. weight and sum the k choices; 7. one psum over tp (each tp
+   rank holds a partial down-projection), none at tp=1. Counts are a local histogram, returned sharded
+   like the tokens.
+
+Bytes per device (b = x's itemsize; everything fixed-shape, there is no ragged all-to-all on CPU):
+- dispatch all-to-all: ep * C * (E * b + 4). The local expert id of each slot (int32, x_local marks an
+  empty slot) rides in the same message, bitcast into trailing columns of an unsigned-int view of the
+  payload: sending it separately would cost a third all-to-all, and the receiver cannot know it otherwise.
+- combine all-to-all: ep * C * E * b.
+The analytical minimum is n * k * E * b each way (what a ragged all-to-all would move): the padded
+buffers cost ep times that. Where ep == 1 both all-to-alls are trivial and are not emitted. The combine
+payload also travels as an unsigned-int view, so bf16 stays 2 bytes on the wire (see step 5).
+
+`lax.ragged_dot` rows beyond sum(group_sizes): on CPU they come out exactly 0 (XLA lowers it to a dense
+dot over a `select`-masked [groups, rows, k] operand, so even NaN there does not leak); other backends
+do not promise this, so empty slots are sorted last (id x_local, outside every group) and their outputs
+are masked with `where` regardless.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxinfer.checkpoint import unfuse
+from jaxinfer.sharding import Layout
+
+TOKENS = ("batch", "seq", "embed")
+WEIGHTS_IN, WEIGHTS_OUT = ("experts", "embed", "mlp", None), ("experts", "mlp", "embed")
+
+
+def route(x: jax.Array, router: jax.Array, valid: jax.Array, *, top_k: int,
+          normalize: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """HF routing of x [R, N, E]: (weights [R, N, k] in x's dtype, experts int32 [R, N, k], counts [R, X])."""
+    # The gate's logits are rounded to the model dtype before the float32 softmax, as in transformers
+    # (a no-op for float32; for bfloat16 it keeps near-tied top-k choices identical to the reference).
+    logits = jnp.dot(x, router.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    logits = logits.astype(jnp.float32)
+    probs, experts = lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
+    if normalize:
+        probs = probs / probs.sum(-1, keepdims=True)
+    hits = (experts[..., None] == jnp.arange(router.shape[1])) & valid[..., None, None]
+    return probs.astype(x.dtype), experts.astype(jnp.int32), hits.sum((1, 2), dtype=jnp.int32)
+
+
+def _gate_and_up(gate_up: jax.Array, axis: int) -> list[jax.Array]:
+    """A fused gate/up output with its G blocks at `axis` -> (gate, up), each with G * M/G columns there."""
+    half = gate_up.shape[axis + 1] // 2
+    return unfuse(gate_up, (half, half), axis)
+
+
+def moe_reference(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
+                  valid: jax.Array, *, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """The ground truth: plain jnp, the chosen experts' weights gathered per token. Padding tokens -> 0."""
+    weights, experts, counts = route(x, router, valid, top_k=top_k, normalize=normalize)
+    gate, up = _gate_and_up(jnp.einsum("rne,rnkegc->rnkgc", x, w_gate_up[experts]), axis=3)
+    out = jnp.einsum("rnkm,rnkme->rnke", jax.nn.silu(gate) * up, w_down[experts])
+    y = (weights[..., None] * out).sum(2)
+    return jnp.where(valid[..., None], y, 0).astype(x.dtype), counts
+
+
+def _uint(dtype: jnp.dtype) -> jnp.dtype:
+    return jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
+
+
+def _pack(payload: jax.Array, ids: jax.Array) -> jax.Array:
+    """[..., E] activations and int32 ids [...] -> one unsigned-int array [..., E + 4 / itemsize]."""
+    uint = _uint(payload.dtype)
+    tail = lax.bitcast_convert_type(ids, uint).reshape(*ids.shape, -1)
+    return jnp.concatenate([lax.bitcast_convert_type(payload, uint), tail], axis=-1)
+
+
+def _unpack(packed: jax.Array, embed: int, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    tail = packed[..., embed:]
+    tail = tail[..., 0] if tail.shape[-1] == 1 else tail
+    return lax.bitcast_convert_type(packed[..., :embed], dtype), lax.bitcast_convert_type(tail, jnp.int32)
+
+
+def moe(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, valid: jax.Array, *,
+        top_k: int, normalize: bool, layout: Layout) -> tuple[jax.Array, jax.Array]:
+    """Expert-parallel MoE FFN. x [R, N, E], router [E, X], w_gate_up [X, E, G, 2M/G] (gate and up fused in
+    G column blocks), w_down [X, M, E], valid bool [R, N] -> (y [R, N, E] in x's dtype, padding tokens 0;
+    counts int32 [R, X] of valid tokens).
+
+    Communication per call and device: two all-to-alls over ep (bytes in the module docstring) and, where
+    the FFN width is split (tp > 1), one all-reduce of the [n, E] output; no all-gather, weights never move.
+    """
+    chex.assert_rank([x, router, w_gate_up, w_down, valid], [3, 2, 4, 3, 2])
+    chex.assert_shape(router, (x.shape[-1], w_gate_up.shape[0]))
+    chex.assert_shape(w_gate_up, (w_gate_up.shape[0], x.shape[-1], None, None))
+    chex.assert_shape(w_down, (w_gate_up.shape[0], w_gate_up.shape[2] * w_gate_up.shape[3] // 2, x.shape[-1]))
+    chex.assert_shape(valid, x.shape[:2])
+    num_experts = router.shape[1]
+    ep_axis, tp_axis = _one_mesh_axis(layout, "experts"), _one_mesh_axis(layout, "mlp")
+    ep, tp = layout.axis_size("experts"), layout.axis_size("mlp")
+    if num_experts % ep:
+        raise ValueError(f"{num_experts} experts cannot be split evenly over ep={ep}: "
+                         f"use an ep that divides {num_experts}")
+    batch_axes = layout.mesh_axes("batch")
+    if ep > 1 and ep_axis not in batch_axes:
+        raise ValueError(f"expert parallel needs the tokens sharded over {ep_axis!r} too (rules 'batch' -> "
+                         f"(..., {ep_axis!r})); they are sharded over {batch_axes}")
+    x_local = num_experts // ep
+    seq_axes = layout.mesh_axes("seq")
+
+    def a2a(t: jax.Array) -> jax.Array:
+        return lax.all_to_all(t, ep_axis, 0, 0, tiled=True) if ep > 1 else t
+
+    def local(x, valid, router, w_gate_up, w_down):
+        r, n, embed = x.shape
+        weights, experts, counts = route(x, router, valid, top_k=top_k, normalize=normalize)
+        cap = r * n * top_k  # C: one slot per assignment, to every rank
+        # 2. dispatch: sorted by global expert = grouped by owner, then by local expert; padding sorts last.
+        flat = jnp.where(valid[..., None], experts, num_experts).reshape(cap)
+        order = jnp.argsort(flat, stable=True)
+        chosen = flat[order]
+        dest = chosen // x_local  # == ep for padding: dropped by the scatter, filled with 0 by the gather
+        first = jnp.searchsorted(chosen, jnp.arange(ep) * x_local)
+        slot = jnp.arange(cap) - first[jnp.minimum(dest, ep - 1)]
+        tokens = x.reshape(r * n, embed)[order // top_k]
+        payload = jnp.zeros((ep, cap, embed), x.dtype).at[dest, slot].set(tokens, mode="drop")
+        ids = jnp.full((ep, cap), x_local, jnp.int32).at[dest, slot].set(chosen % x_local, mode="drop")
+        # 3. to the owners; 4. grouped FFN over everything that arrived, sorted by local expert.
+        received, ids = _unpack(a2a(_pack(payload, ids)).reshape(ep * cap, -1), embed, x.dtype)
+        by_expert = jnp.argsort(ids, stable=True)
+        sizes = (ids[:, None] == jnp.arange(x_local)).sum(0, dtype=jnp.int32)  # empty slots: beyond sum(sizes)
+        xs = received[by_expert]
+        blocks = w_gate_up.shape[2:]                    # this device's column blocks: [G / tp, 2M/G]
+        fused = lax.ragged_dot(xs, w_gate_up.reshape(*w_gate_up.shape[:2], -1), sizes)  # gate and up at once
+        gate, up = _gate_and_up(fused.reshape(-1, *blocks), axis=1)
+        out = lax.ragged_dot(jax.nn.silu(gate) * up, w_down, sizes)
+        out = jnp.where((ids[by_expert] < x_local)[:, None], out, 0)
+        out = jnp.zeros_like(out).at[by_expert].set(out)  # back to arrival order
+        # 5. back to the source slots; 6. weight and sum the k choices; 7. one all-reduce over tp.
+        # The unsigned view pins the wire format to x's dtype: for bf16, XLA:CPU would otherwise move the
+        # rounding of the f32 matmul result past the all-to-all and send float32.
+        wire = lax.bitcast_convert_type(out.reshape(ep, cap, embed), _uint(x.dtype))
+        back = lax.bitcast_convert_type(a2a(wire), x.dtype).at[dest, slot].get(mode="fill", fill_value=0)
+        per_choice = jnp.zeros_like(back).at[order].set(back).reshape(r, n, top_k, embed)
+        y = (weights[..., None] * per_choice).sum(2)
+        if seq_axes:  # the replica's tokens are split over sp: its counts are the ranks' sum
+            counts = lax.psum(counts, seq_axes)
+        return (lax.psum(y, tp_axis) if tp > 1 else y), counts
+
+    return layout.shard_map(local, in_axes=(TOKENS, TOKENS[:2], None, WEIGHTS_IN, WEIGHTS_OUT),
+                            out_axes=(TOKENS, ("batch", None)))(x, valid, router, w_gate_up, w_down)
+
+
+def _one_mesh_axis(layout: Layout, logical: str) -> str | None:
+    """The single mesh axis (of size > 1) that splits `logical`, or None."""
+    axes = layout.mesh_axes(logical)
+    if len(axes) > 1:
+        raise ValueError(f"moe needs {logical!r} on at most one mesh axis, the rules give {axes}")
+    return axes[0] if axes else None

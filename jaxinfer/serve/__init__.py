@@ -1,0 +1,1 @@
+"""Serving: the OpenAI-compatible API (`python -m jaxinfer.serve`), its metrics, and OpenAI batch files."""

@@ -1,0 +1,5 @@
+import sys
+
+from jaxinfer.serve.server import main
+
+sys.exit(main())
