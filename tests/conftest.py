@@ -75,6 +75,30 @@ def check_greedy_path() -> Callable[..., None]:
     return greedy_path_matches
 
 
+def reference_matches(llm, golden: Golden, tol: float = 1e-4) -> int:
+    """A fixture's reference on `llm`: the logits of its prompts within tol, nothing counted as expert load by
+    scoring, and greedy generation of as many tokens as the reference's along its path (greedy_path_matches).
+    Returns that number of new tokens."""
+    from jaxinfer import SamplingParams
+
+    prompts, ref_logits, ref_greedy, _ = golden
+    for i, logits in enumerate(llm.logits(prompts)):
+        np.testing.assert_allclose(logits, ref_logits[i, : len(prompts[i])], atol=tol, rtol=0)
+    assert llm.engine.expert_load.total is None                 # scoring routes tokens but does not count them
+    new_tokens = len(ref_greedy[0])
+    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+    for prompt, out, ref in zip(prompts, outs, ref_greedy, strict=True):
+        assert out.finish_reason == "length" and len(out.token_ids) == len(ref) == new_tokens
+        greedy_path_matches(llm, prompt, out.token_ids, ref, tol)
+    return new_tokens
+
+
+@pytest.fixture(scope="session")
+def check_reference() -> Callable[..., int]:
+    """check_reference(llm, golden): reference_matches (test_fixtures.py, test_fixtures_moe.py)."""
+    return reference_matches
+
+
 @pytest.fixture
 def float32_dots_exact():
     """float32 matmuls in full precision: a GPU's default is TF32 (XLA and the Triton lowering alike), which

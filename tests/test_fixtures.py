@@ -24,17 +24,9 @@ CASES = [(name, mesh) for name, meshes in DENSE.items() for mesh in meshes]
 
 
 @pytest.mark.parametrize("name,mesh", CASES)
-def test_logits_and_greedy_match_reference(name, mesh, golden, tiny_llm, check_greedy_path):
-    prompts, ref_logits, ref_greedy, _ = golden(name)
-    llm = tiny_llm(name, mesh)     # the session's (tests/conftest.py): other modules may serve the same model
-    for i, logits in enumerate(llm.logits(prompts)):
-        np.testing.assert_allclose(logits, ref_logits[i, : len(prompts[i])], atol=TOL, rtol=0)
-    assert llm.engine.expert_load.total is None                 # scoring routes tokens but does not count them
-    new_tokens = len(ref_greedy[0])
-    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
-    for prompt, out, ref in zip(prompts, outs, ref_greedy, strict=True):
-        assert out.finish_reason == "length" and len(out.token_ids) == len(ref) == new_tokens
-        check_greedy_path(llm, prompt, out.token_ids, ref)
+def test_logits_and_greedy_match_reference(name, mesh, golden, tiny_llm, check_reference):
+    # the session's model (tests/conftest.py): other modules may serve the same one
+    check_reference(tiny_llm(name, mesh), golden(name), TOL)
 
 
 def test_pages_smaller_than_a_kernel_tile_match_reference(hf_tiny, golden, check_greedy_path):

@@ -5,7 +5,7 @@ cover: test_fixtures.py)."""
 import numpy as np
 import pytest
 
-from jaxinfer import LLM, SamplingParams
+from jaxinfer import LLM
 
 TOL = 1e-4
 MOE = {"mixtral": ["", "ep=8", "dp=2,ep=4", "pp=2,ep=2", "sp=2"],
@@ -14,17 +14,11 @@ CASES = [(name, mesh) for name, meshes in MOE.items() for mesh in meshes]
 
 
 @pytest.mark.parametrize("name,mesh", CASES)
-def test_logits_and_greedy_match_reference(name, mesh, hf_tiny, golden, check_greedy_path):
-    prompts, ref_logits, ref_greedy, _ = golden(name)
+def test_logits_and_greedy_match_reference(name, mesh, hf_tiny, golden, check_reference):
+    reference = golden(name)
+    prompts = reference.prompts
     llm = LLM(hf_tiny / name, mesh=mesh, dtype="float32")       # a fresh engine: its expert load is counted below
-    for i, logits in enumerate(llm.logits(prompts)):
-        np.testing.assert_allclose(logits, ref_logits[i, : len(prompts[i])], atol=TOL, rtol=0)
-    assert llm.engine.expert_load.total is None                 # scoring routes tokens but does not count them
-    new_tokens = len(ref_greedy[0])
-    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
-    for prompt, out, ref in zip(prompts, outs, ref_greedy, strict=True):
-        assert out.finish_reason == "length" and len(out.token_ids) == len(ref) == new_tokens
-        check_greedy_path(llm, prompt, out.token_ids, ref)
+    new_tokens = check_reference(llm, reference, TOL)
     # Every token a step computed was routed to top_k experts in every MoE layer: all prompt tokens (fresh
     # engine: no prefix-cache hits) and the new_tokens - 1 decode inputs of each prompt (the last sampled
     # token is never fed back); padding is not counted.
