@@ -91,7 +91,7 @@ def bench_pp(path, pp: int, args: argparse.Namespace, dtype: str) -> dict:
         "batch1_ms_per_token": 1e3 * alone.decode_seconds / alone.decode_tokens,
         "burst_tokens_per_second": tokens / seconds, "burst_seconds": seconds, "burst_steps": burst.steps,
         "microbatches": M, "utilisation": burst.utilisation, "utilisation_formula": M / (M + P - 1),
-        "overlap": engine.overlap, "device_idle": burst.device_idle,
+        "device_idle": burst.device_idle,
         "decode_collective_permute": report,
     }
 

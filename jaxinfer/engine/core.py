@@ -251,7 +251,7 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - the step's requests are suspects, the others go on
                 return self._failed() + self._step_failed(_request_ids(stages), e)
             self.queue.append(InFlight(outputs))
-            leaving = self.queue[len(self.queue) - len(pipe) - 1]     # the oldest microbatch in the pipe
+            leaving = pipe[0] if pipe else self.queue[-1]      # the microbatch leaving the last stage
             leaving.call, leaving.prefill, leaving.busy_seen = call, prefill, time.perf_counter()
             self.stats.dispatched(call.timing, [has_work(mb) for mb in stages], outputs if prefill else [])
         elif previous is None:
