@@ -8,6 +8,7 @@ numpy its bfloat16), so no host ever holds a full copy of the model. Only safete
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -22,7 +23,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+from jaxinfer.quant import QTYPES, QuantArray, quantize
+
+DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+          "F8_E4M3": ml_dtypes.float8_e4m3fn, "I8": np.int8}
+QUANTIZED = ("F8_E4M3", "I8")   # read only as the values of a quantized weight (QuantSpec), never cast
 
 
 class CheckpointError(ValueError):
@@ -48,6 +53,8 @@ class ParamSpec:
     repeat: tuple[int, int] = (0, 1)
     layer_ids: tuple[int | None, ...] | None = None
     pad: tuple[int, int] | None = None  # (axis, size on disk): our axis is longer, the rest reads as zeros
+    contract: int = 0   # a matmul weight: how many axes after the stacking ones it contracts (0: not one)
+    row_block: int | None = None  # a stored scale: each row on disk covers this many output rows (repeated)
 
     @property
     def stack_depth(self) -> int:
@@ -74,6 +81,14 @@ class ParamSpec:
     @property
     def hf_shape(self) -> tuple[int, ...]:
         return tuple(math.prod(g) for g in self.groups)
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The tensor's shape on disk: hf_shape, except a scale's rows, one per `row_block` output rows."""
+        if self.row_block is None:
+            return self.hf_shape
+        rows, cols = self.hf_shape
+        return (-(-rows // self.row_block), cols)
 
     def hf_name(self, position: int = 0, expert: int = 0) -> str | None:
         """The checkpoint tensor of one stacked slot; None for a padding slot."""
@@ -144,11 +159,50 @@ class FusedSpec:
     def layer_ids(self) -> tuple[int | None, ...] | None:
         return self.parts[0].layer_ids
 
+    @property
+    def contract(self) -> int:
+        return self.parts[0].contract
+
     def map_parts(self, fn: Callable[[ParamSpec], ParamSpec]) -> FusedSpec:
         return dataclasses.replace(self, parts=tuple(map(fn, self.parts)))
 
 
-Spec = ParamSpec | FusedSpec
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+    """A matmul weight held quantized (jaxinfer.quant.QuantArray): its values read from `weight`, stored
+    quantized with their scales in `scale` (a pre-quantized checkpoint), or quantized per output channel
+    on the devices as they load (`stored` False: `scale` then only gives the scales' shape and axes)."""
+
+    weight: ParamSpec | FusedSpec
+    scale: ParamSpec | FusedSpec
+    qtype: str              # "int8" or "fp8"
+    block: int              # contraction rows per scale
+    stored: bool
+
+    shape = property(lambda self: self.weight.shape)
+    axes = property(lambda self: self.weight.axes)
+    stack_depth = property(lambda self: self.weight.stack_depth)
+    layer_ids = property(lambda self: self.weight.layer_ids)
+    contract = property(lambda self: self.weight.contract)
+
+    @property
+    def out(self) -> int:
+        return len(self.shape) - self.stack_depth - self.contract
+
+    @property
+    def matmul_axes(self) -> tuple[str | None, ...]:
+        """The logical axes of one layer's weight: what the matmul contracts, then its outputs."""
+        return self.axes[len(self.axes) - self.contract - self.out:]
+
+    @property
+    def parts(self) -> tuple[ParamSpec, ...]:
+        return self.weight.parts + (self.scale.parts if self.stored else ())
+
+    def map_parts(self, fn: Callable[[ParamSpec], ParamSpec]) -> QuantSpec:
+        return dataclasses.replace(self, weight=self.weight.map_parts(fn), scale=self.scale.map_parts(fn))
+
+
+Spec = ParamSpec | FusedSpec | QuantSpec
 
 
 def unfuse(y: jax.Array, widths: Sequence[int], axis: int) -> list[jax.Array]:
@@ -234,18 +288,31 @@ class Checkpoint:
                 if t not in self.files[n].tensors:
                     raise CheckpointError(f"{index} places {t!r} in {n}, but that file does not hold it")
 
+    def dtype(self, name: str) -> str:
+        """A tensor's dtype as the file names it (e.g. "BF16", "F8_E4M3")."""
+        return self.where[name].tensors[name]["dtype"]
+
     def check(self, specs: Any) -> None:
         """Every tensor present with the shape the config implies and a dtype jaxinfer reads, before anything
         is read or compiled. specs: a pytree of specs (a model's Weights)."""
         for key, spec in named_specs(specs):
+            quantized = spec.weight.parts if isinstance(spec, QuantSpec) and spec.stored else ()
             for part, name in ((p, n) for p in spec.parts for n in p.hf_names()):
                 if name not in self.where:
-                    raise CheckpointError(f"checkpoint {self.path} lacks tensor {name!r} (needed for {key})")
-                found = self.where[name].shape(name)
-                if found != part.hf_shape:
+                    need = "the scales of a quantized tensor" if part.row_block else "needed"
+                    raise CheckpointError(f"checkpoint {self.path} lacks tensor {name!r} ({need} for {key})")
+                found, want = self.where[name].shape(name), part.stored_shape
+                if found != want and not (part.row_block and math.prod(found) == math.prod(want) == 1):
                     raise CheckpointError(f"tensor {name!r} has shape {list(found)} but config.json implies "
-                                          f"{list(part.hf_shape)}: config and weights do not match")
+                                          f"{list(want)}: config and weights do not match")
                 self.where[name].check_dtype(name)
+                dtype = self.dtype(name)
+                if dtype in QUANTIZED and part not in quantized:
+                    raise CheckpointError(f"tensor {name!r} is stored as {dtype}, but config.json declares no "
+                                          f"quantization of it (its quantization_config, where one is given, "
+                                          f"leaves it out)")
+                if part in quantized and dtype not in QUANTIZED:
+                    raise CheckpointError(f"tensor {name!r} is {dtype}, but its scales say it is quantized")
 
     def read(self, spec: Spec, index: tuple[slice, ...]) -> np.ndarray:
         """Our-layout slice `index` of a parameter, reading only the rows it needs from each tensor."""
@@ -285,13 +352,21 @@ class Checkpoint:
                 dims += list(group)
                 rest += [slice(a, b) for a, b in sub]
             j += len(group)
-        data = self.where[name].array(name)[tuple(hf_idx)].reshape(dims)[tuple(rest)]
+        data = self._source(spec, name)[tuple(hf_idx)].reshape(dims)[tuple(rest)]
         data = np.transpose(data, perm)
         if r > 1:
             data = np.repeat(data, r, axis=axis)
             start = lo - ours[axis][0] * r
             data = np.take(data, range(start, start + hi - lo), axis=axis)
         return data
+
+    def _source(self, spec: ParamSpec, name: str) -> np.ndarray:
+        """The tensor as stored, a scale's rows repeated to one per output row (a per-tensor scale is one)."""
+        data = self.where[name].array(name)
+        if spec.row_block is None:
+            return data
+        rows, cols = spec.hf_shape
+        return np.repeat(np.asarray(data, np.float32).reshape(-1, cols), spec.row_block, axis=0)[:rows]
 
     def _read_fused(self, spec: FusedSpec, index: tuple[slice, ...]) -> np.ndarray:
         """Each block of the slice: the parts' columns of that shard that fall in it, side by side."""
@@ -328,7 +403,7 @@ class Checkpoint:
 
 def is_spec(x: Any) -> bool:
     """A weight's spec: the leaf of a model's weights before loading."""
-    return isinstance(x, ParamSpec | FusedSpec)
+    return isinstance(x, ParamSpec | FusedSpec | QuantSpec)
 
 
 def named_specs(specs: Any) -> list[tuple[str, Spec]]:
@@ -343,14 +418,52 @@ def load_params(ckpt: Checkpoint, specs: Any, sharding_of: Callable, dtype) -> A
     ckpt.check(specs)
     named = named_specs(specs)
     arrays = []
+
+    def read(spec: ParamSpec | FusedSpec, dtype=None) -> jax.Array:
+        def one(idx, spec=spec):
+            data = ckpt.read(spec, idx)
+            return data if dtype is None else data.astype(dtype)
+        return jax.make_array_from_callback(spec.shape, sharding_of(spec.axes), one)
+
     for i, (key, spec) in enumerate(named):
         _progress(i, len(named), key)
-        if isinstance(spec, FusedSpec):
-            check_fused(key, spec, sharding_of)
-        arrays.append(jax.make_array_from_callback(spec.shape, sharding_of(spec.axes),
-                                                   lambda idx, spec=spec: ckpt.read(spec, idx).astype(dtype)))
+        for fused in (s for s in (spec, getattr(spec, "weight", None)) if isinstance(s, FusedSpec)):
+            check_fused(key, fused, sharding_of)
+        if not isinstance(spec, QuantSpec):
+            arrays.append(read(spec, dtype))
+        elif spec.stored:   # values as stored (int8, float8_e4m3fn), scales in float32
+            arrays.append(QuantArray(read(spec.weight), read(spec.scale, np.float32), out=spec.out, block=spec.block,
+                                     axes=spec.matmul_axes))
+        else:
+            full = read(spec.weight, np.float32)
+            arrays.append(quantize_on_devices(full, spec, sharding_of))
+            full.delete()   # one weight at full precision at a time
     _progress(len(named), len(named), "done")
     return jax.tree.unflatten(jax.tree.structure(specs, is_leaf=is_spec), arrays)
+
+
+def abstract(spec: Spec, dtype, sharding_of: Callable) -> Any:
+    """The jax.ShapeDtypeStruct (a QuantArray of them for a quantized weight) a spec loads as."""
+    if not isinstance(spec, QuantSpec):
+        return jax.ShapeDtypeStruct(spec.shape, dtype, sharding=sharding_of(spec.axes))
+    return QuantArray(jax.ShapeDtypeStruct(spec.shape, QTYPES[spec.qtype], sharding=sharding_of(spec.axes)),
+                      jax.ShapeDtypeStruct(spec.scale.shape, jnp.float32, sharding=sharding_of(spec.scale.axes)),
+                      out=spec.out, block=spec.block, axes=spec.matmul_axes)
+
+
+def quantize_on_devices(w: jax.Array, spec: QuantSpec, sharding_of: Callable) -> QuantArray:
+    """A full-precision weight, sharded, -> its QuantArray with the spec's shardings, quantized in place on
+    each device (per output channel: jaxinfer.quant.quantize)."""
+    shardings = QuantArray(sharding_of(spec.axes), sharding_of(spec.scale.axes), out=spec.out, block=spec.block,
+                           axes=spec.matmul_axes)
+    return _quantizer(spec.qtype, spec.contract, shardings)(w)
+
+
+@functools.cache
+def _quantizer(qtype: str, contract: int, shardings: QuantArray) -> Callable:
+    """One compiled quantizer per kind of weight, not per weight."""
+    return jax.jit(functools.partial(quantize, qtype=qtype, contract=contract, out=shardings.out,
+                                     axes=shardings.axes), out_shardings=shardings)
 
 
 def check_fused(key: str, spec: FusedSpec, sharding_of: Callable) -> None:

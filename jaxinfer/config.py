@@ -19,6 +19,9 @@ ROPE_KEYS = {  # rope types jaxinfer computes, and the keys each needs
 
 # jnp references (any platform); the C++ kernel for XLA:CPU; the Pallas GPU kernels (jaxinfer.device.attention)
 ATTENTION_BACKENDS = ("xla", "cpu", "pallas")
+# weights quantized as they load (jaxinfer.quant); None keeps the checkpoint's own (a pre-quantized one stays so)
+QUANTIZATIONS = ("int8", "fp8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")   # auto: the model's dtype; int8/fp8 store pages with scales
 
 
 def cache_dir() -> Path:
@@ -175,6 +178,8 @@ class EngineConfig:
     compilation_cache: bool = True          # compiled programs kept on disk (jaxinfer.device.compilation_cache)
     overlap: bool = True                    # schedule step k+1 while step k runs (jaxinfer.engine.core)
     scan_layers: bool | None = None         # one lax.scan per layer stack; None: not for large layers on CPU
+    quantization: str | None = None         # QUANTIZATIONS: weights quantized as they load
+    kv_cache_dtype: str = "auto"            # KV_CACHE_DTYPES
 
     def __post_init__(self):
         def integer(name: str, value: Any, least: int) -> None:
@@ -194,6 +199,10 @@ class EngineConfig:
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"attention backend {self.attention_backend!r} is not one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -221,6 +230,11 @@ class EngineConfig:
                             "with each layer reading its own arrays (no copy of them: faster decode on CPU); "
                             "default: arrays of their own on CPU for layers of more than 4 MiB of weights, "
                             "else scanned")
+        g.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                       help="quantize the weights as they load: int8 or fp8 (float8_e4m3fn), one scale per output "
+                            "channel; the embedding, LM head, norms, biases and MoE router stay as stored")
+        g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                       help="KV cache storage: auto (the model's dtype), int8 or fp8, with scales")
         g.add_argument("--no-compilation-cache", dest="compilation_cache", action="store_false",
                        help="compile every bucket afresh instead of loading it from $JAXINFER_CACHE/xla")
 

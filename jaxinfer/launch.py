@@ -133,9 +133,12 @@ def summary(llm, out, random_weights: bool) -> dict:
         "platform": llm.layout.platform,
         "dtype": llm.engine.dtype.__name__ if hasattr(llm.engine.dtype, "__name__") else str(llm.engine.dtype),
         "parameter_bytes_per_device": llm.parameter_bytes_per_device(),
+        "quantization": llm.quantization,                       # None, or the matmul weights' int8/fp8 and source
         "attention_backend": llm.engine.runner.backend,
         "kv_pages_per_replica": llm.engine.pages_per_replica,
         "page_size": llm.engine.config.page_size,
+        "kv_cache_dtype": llm.engine.kv_cache_dtype,             # what the pages hold (int8/fp8: with scales)
+        "kv_bytes_per_token_per_device": llm.engine.kv_bytes_per_token,
         "prompt_tokens": len(out.prompt_token_ids),
         "output_token_ids": out.token_ids,
         "output_text": out.text,
@@ -155,8 +158,10 @@ def readable(r: dict) -> str:
     return "\n".join([
         f"model   {r['model']} [{r['architecture']}, {r['dtype']}]",
         f"mesh    {mesh} on {r['devices']} {r['platform']} device(s); "
-        f"{r['parameter_bytes_per_device'] / 2**20:.1f} MiB of weights per device",
-        f"cache   {r['kv_pages_per_replica']} pages of {r['page_size']} tokens per replica; "
+        f"{r['parameter_bytes_per_device'] / 2**20:.1f} MiB of weights per device"
+        + (f" ({r['quantization']['weights']} matmuls, {r['quantization']['format']})" if r["quantization"] else ""),
+        f"cache   {r['kv_pages_per_replica']} pages of {r['page_size']} tokens per replica, "
+        f"{r['kv_cache_dtype']} ({r['kv_bytes_per_token_per_device']} bytes a token per device); "
         f"attention backend {r['attention_backend']}",
         f"prompt  {r['prompt_tokens']} tokens",
         f"output  {r['output_text']!r}",

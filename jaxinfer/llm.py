@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.checkpoint import Checkpoint, is_spec, load_params
+from jaxinfer.checkpoint import Checkpoint, abstract, is_spec, load_params
 from jaxinfer.collectives import collective_report
-from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.config import EngineConfig, ModelConfig, read_json
 from jaxinfer.device.compilation_cache import enable_compilation_cache
 from jaxinfer.device.layers import UNROLL_LAYER_BYTES, Weights, layer_bytes, one_stack_per_layer
 from jaxinfer.device.pipeline import split_stages
@@ -25,6 +25,8 @@ from jaxinfer.engine.core import Completion, Engine
 from jaxinfer.engine.loop import EngineLoop, RequestStream
 from jaxinfer.mesh import MeshConfig
 from jaxinfer.models import config_from_dict, config_from_dir, model_for
+from jaxinfer.quant import weight_quantization
+from jaxinfer.quant_formats import quantized_specs, stored_quantization
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sharding import Layout, device_bytes, kv_head_repeat, validate
 from jaxinfer.tokenizer import Tokenizer, TokenizerError
@@ -61,13 +63,19 @@ class LLM:
         engine_config = _engine_config(engine_config, engine_args)
         self.path: Path | None = Path(model)
         self._check(config_from_dir(self.path), mesh, dtype)
+        stored = stored_quantization(read_json(self.path / "config.json"))
+        if stored is not None and engine_config.quantization not in (None, stored.qtype):
+            raise ValueError(f"{self.path} is stored quantized ({stored.method}, {stored.qtype}): it cannot be "
+                             f"served as quantization={engine_config.quantization!r}; leave quantization unset")
         checkpoint = Checkpoint(self.path)
         try:
             tokenizer: Tokenizer | None = Tokenizer.from_dir(self.path)
         except TokenizerError:
             tokenizer = None  # token-id prompts still work
+        self.stored_quantization = stored
         self._start(engine_config, tokenizer, lambda specs: load_params(checkpoint, specs, self.layout.sharding,
-                                                                        self.dtype), check=checkpoint.check)
+                                                                        self.dtype), check=checkpoint.check,
+                    quantize=lambda specs: quantized_specs(specs, engine_config.quantization, stored, checkpoint))
 
     @classmethod
     def random(cls, config: ModelConfig | dict, mesh: str | MeshConfig = "", dtype: str = "auto", seed: int = 0,
@@ -79,9 +87,10 @@ class LLM:
 
         engine_config = _engine_config(engine_config, engine_args)
         llm = cls.__new__(cls)
-        llm.path = None
+        llm.path, llm.stored_quantization = None, None
         llm._check(config if isinstance(config, ModelConfig) else config_from_dict(config), mesh, dtype)
-        llm._start(engine_config, None, lambda specs: random_params(specs, llm.layout.sharding, llm.dtype, seed))
+        llm._start(engine_config, None, lambda specs: random_params(specs, llm.layout.sharding, llm.dtype, seed),
+                   quantize=lambda specs: quantized_specs(specs, engine_config.quantization))
         return llm
 
     def _check(self, config: ModelConfig, mesh: str | MeshConfig, dtype: str) -> None:
@@ -93,10 +102,10 @@ class LLM:
         self.dtype = resolve_dtype(dtype, self.config)
 
     def _start(self, engine_config: EngineConfig, tokenizer: Tokenizer | None,
-               make_weights: Callable[[Weights], Weights], check: Callable[[Weights], None] = lambda specs: None
-               ) -> None:
-        """The weights (`make_weights` turns the ParamSpec tree into arrays, once `check` has passed it), the
-        engine and its loop."""
+               make_weights: Callable[[Weights], Weights], check: Callable[[Weights], None] = lambda specs: None,
+               quantize: Callable[[Weights], Weights] = lambda specs: specs) -> None:
+        """The weights (`make_weights` turns the spec tree into arrays, once `quantize` has chosen the weights
+        held quantized and `check` has passed it), the engine and its loop."""
         self.tokenizer = tokenizer
         self.layout = Layout(self.mesh_config.make())
         self.model = model_for(self.config)
@@ -107,12 +116,11 @@ class LLM:
         specs = split_stages(specs, self.config.num_layers, stages)
         if not self._scan_layers(engine_config.scan_layers, stages, specs):
             specs = one_stack_per_layer(specs)
+        specs = quantize(specs)
         check(specs)   # a bad checkpoint is refused before the engine exists
         # The engine is built on the weights' shapes while they load, so the step executables already
         # compiled on this machine are read back meanwhile (jaxinfer.device.compilation_cache).
-        shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, self.dtype,
-                                                             sharding=self.layout.sharding(s.axes)),
-                              specs, is_leaf=is_spec)
+        shapes = jax.tree.map(lambda s: abstract(s, self.dtype, self.layout.sharding), specs, is_leaf=is_spec)
         with ThreadPoolExecutor(1) as pool:
             weights = pool.submit(make_weights, specs)
             self.engine = Engine(self.model, self.layout, shapes, self.dtype, engine_config, self.tokenizer)
@@ -144,6 +152,17 @@ class LLM:
     @property
     def weights(self) -> Weights:
         return self.engine.runner.weights
+
+    @property
+    def quantization(self) -> dict | None:
+        """The matmul weights' quantization: {"weights": "int8" | "fp8", "format": "on load" or the checkpoint's
+        quant_method, "activations": the checkpoint's declared scheme}, or None."""
+        held = weight_quantization(self.weights)
+        if held is None:
+            return None
+        stored = self.stored_quantization
+        return {"weights": held, "format": stored.method if stored else "on load",
+                "activations": stored.activations if stored else None}
 
     def parameter_bytes_per_device(self) -> int:
         """Bytes of weights each device holds (its shards of every array)."""

@@ -95,14 +95,17 @@ def random_params(specs: Any, sharding_of: Callable, dtype, seed: int = 0) -> An
     padding and the padding slots of a pipeline stage are zeros, as the checkpoint loader makes them."""
     import jax
 
-    from jaxinfer.checkpoint import named_specs
+    from jaxinfer.checkpoint import QuantSpec, named_specs, quantize_on_devices
 
     spec_list = [spec for _, spec in named_specs(specs)]
+    drawn = [spec.weight if isinstance(spec, QuantSpec) else spec for spec in spec_list]
 
     def draw(key):
-        return [_random_array(spec, dtype, jax.random.fold_in(key, i)) for i, spec in enumerate(spec_list)]
+        return [_random_array(spec, dtype, jax.random.fold_in(key, i)) for i, spec in enumerate(drawn)]
 
-    arrays = jax.jit(draw, out_shardings=[sharding_of(spec.axes) for spec in spec_list])(jax.random.key(seed))
+    arrays = jax.jit(draw, out_shardings=[sharding_of(spec.axes) for spec in drawn])(jax.random.key(seed))
+    arrays = [quantize_on_devices(a, s, sharding_of) if isinstance(s, QuantSpec) else a  # quantized as they load
+              for a, s in zip(arrays, spec_list, strict=True)]
     return jax.tree.unflatten(jax.tree.structure(specs, is_leaf=_is_spec), arrays)
 
 

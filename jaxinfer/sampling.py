@@ -48,6 +48,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None   # per new token: its log-probability and the `logprobs` most likely tokens'
+    prompt_logprobs: int | None = None  # per prompt token after the first: the same, from the prompt's own step
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -74,6 +75,10 @@ class SamplingParams:
             raise ValueError("stop strings must not be empty")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs={_show(self.logprobs)} must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs={_show(self.prompt_logprobs)} must be None or an integer in "
+                             f"[0, {MAX_LOGPROBS}]")
         bad = [t for t in self.stop_token_ids if not _is_int(t) or not 0 <= t < INT32_LIMIT]
         if bad:
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r}: {bad[:5]!r} must be integers in [0, 2**31)")

@@ -42,6 +42,17 @@ class StepBatch:
     meta: StepMetadata
     feed: jax.Array              # int32 [R, N] overlap: the previous step's sampled row index to take the token
                                  # from (its tokens were not on the host when this step was packed), -1 else
+    # prompt log-probabilities (SamplingParams.prompt_logprobs): per token, the next prompt token, whose
+    # log-probability its logits give, -1 where not asked. None in a step where nobody asked: the tree differs,
+    # so only the programs of steps that ask run the head over every token (jaxinfer.device.runner)
+    prompt_targets: jax.Array | None = None                             # int32 [R, N], ordered as tokens
+    prompt_top: int = struct.field(pytree_node=False, default=0)        # top entries per token: 0 or MAX
+
+
+def prompt_logprob_width(top: int) -> int:
+    """Floats per token of a step's prompt log-probabilities: the next prompt token's log-probability and its
+    rank in the vocabulary (1: the most likely), then the ids and log-probabilities of the `top` most likely."""
+    return 2 + 2 * top
 
 
 def ring_order(n: int, sp: int) -> np.ndarray:
@@ -64,3 +75,5 @@ class PipelineBatch:
     logits_index: jax.Array      # the last stage's microbatch, as in StepBatch
     sample_positions: jax.Array
     sampling: SamplingArrays
+    prompt_targets: jax.Array | None = None
+    prompt_top: int = struct.field(pytree_node=False, default=0)

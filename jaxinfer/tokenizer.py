@@ -29,6 +29,21 @@ def _token_str(tok: Any) -> str | None:
     return tok.get("content") if isinstance(tok, dict) else tok
 
 
+_ADDED_TOKEN_KEYS = {"__type", "content", "lstrip", "rstrip", "normalized", "single_word", "special"}
+
+
+def _added_token_text(x: Any) -> Any:
+    """A tokenizer_config value with every serialized AddedToken ({"content": ..., "special": ...}) as its text, as
+    transformers loads them and vLLM writes them back."""
+    if isinstance(x, dict):
+        if isinstance(x.get("content"), str) and set(x) <= _ADDED_TOKEN_KEYS:
+            return x["content"]
+        return {k: _added_token_text(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_added_token_text(v) for v in x]
+    return x
+
+
 def _as_list(x: Any) -> list[int]:
     return [] if x is None else [int(v) for v in x] if isinstance(x, list) else [int(x)]
 
@@ -41,6 +56,7 @@ class Tokenizer:
                  generation_config: dict | None = None):
         self._tok = tok
         cfg, mcfg, gcfg = config or {}, model_config or {}, generation_config or {}
+        self.config = dict(cfg)   # tokenizer_config.json as written
         self.chat_template = chat_template
         self.add_bos_token = bool(cfg.get("add_bos_token", False))
 
@@ -81,6 +97,23 @@ class Tokenizer:
             template = (path / "chat_template.jinja").read_text(encoding="utf-8")
         return cls(tokenizers.Tokenizer.from_file(str(tj)), cfg, template,
                    _read_json(path / "config.json"), _read_json(path / "generation_config.json"))
+
+    def info(self) -> dict[str, Any]:
+        """vLLM's /tokenizer_info body: tokenizer_config.json as transformers holds it (its init_kwargs: a
+        serialized AddedToken as its text, no vocab_file or merges_file), `tokenizer_class` (the config's; a
+        fast tokenizer's own name where it gives none), bos/eos/pad tokens where the config leaves out one this
+        tokenizer found (clients such as lm-evaluation-harness's remote tokenizer read `eos_token`), and
+        `chat_template`, the one in use (chat_template.jinja before the config's)."""
+        info = {k: _added_token_text(v) for k, v in self.config.items()
+                if k not in ("vocab_file", "merges_file", "chat_template")}
+        info["tokenizer_class"] = info.get("tokenizer_class") or "PreTrainedTokenizerFast"
+        for name, token in (("bos_token", self.bos_token), ("eos_token", self.eos_token),
+                            ("pad_token", self._id_str(self.pad_id))):
+            if token is not None and info.get(name) is None:
+                info[name] = token
+        if self.chat_template:
+            info["chat_template"] = self.chat_template
+        return info
 
     @property
     def vocab_size(self) -> int:

@@ -26,7 +26,7 @@ from jaxinfer.device.layers import ACTIVATIONS, StepContext, Weights, stack_laye
 from jaxinfer.models.base import Model, register
 
 LAYER = "model.layers.{layer}."
-W = Any  # a jax.Array once loaded, its spec before; None where the architecture has no such weight
+W = Any  # a jax.Array (or jaxinfer.quant.QuantArray) once loaded, its spec before; None where there is none
 # G below: the column shards the fused weights are stored in (the tensor-parallel degree; 1 on one device).
 # Every projection is stored [in, out] (the checkpoint's [out, in] transposed at load), the contraction on
 # its first axis: from [out, in] XLA:CPU's matmul repacks the whole weight on every call, which at 8 rows
@@ -82,13 +82,6 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return w * x32.astype(x.dtype)
-
-
-def rows_times(h: jax.Array, w: jax.Array) -> jax.Array:
-    """h [..., E] times w [E, *out] -> [..., *out]: one 2-D product with w flattened to [E, out] (a free
-    reshape); as an einsum over w's several output axes, XLA:CPU copied w on every step."""
-    y = jnp.einsum("...e,eo->...o", h, w.reshape(w.shape[0], -1))
-    return y.reshape(*h.shape[:-1], *w.shape[1:])
 
 
 def rope_frequencies(cfg: ModelConfig) -> jax.Array:
@@ -172,17 +165,17 @@ class Llama(Model):
         E, H, KV, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         KVr, a = KV * kv_repeat, LAYER + "self_attn."
         kv = lambda name: ParamSpec((E, KVr, D), ("embed", "kv_heads", "head_dim"), a + name,  # noqa: E731
-                                    view=((KV, D), (E,)), perm=(2, 0, 1), repeat=(1, kv_repeat))
+                                    view=((KV, D), (E,)), perm=(2, 0, 1), repeat=(1, kv_repeat), contract=1)
         kv_bias = lambda name: ParamSpec((KVr, D), ("kv_heads", "head_dim"), a + name,  # noqa: E731
                                          view=((KV, D),), repeat=(0, kv_repeat))
         q = ParamSpec((E, H, D), ("embed", "heads", "head_dim"), a + "q_proj.weight", view=((H, D), (E,)),
-                      perm=(2, 0, 1))
+                      perm=(2, 0, 1), contract=1)
         q_bias = ParamSpec((H, D), ("heads", "head_dim"), a + "q_proj.bias", view=((H, D),))
         by_heads = lambda *parts, axis: FusedSpec(parts, axis=axis, shards=shards)  # noqa: E731  (the heads axis)
         return Attention(
             qkv=by_heads(q, kv("k_proj.weight"), kv("v_proj.weight"), axis=-2),
             o=ParamSpec((H, D, E), ("heads", "head_dim", "embed"), a + "o_proj.weight", view=((E,), (H, D)),
-                        perm=(1, 2, 0)),
+                        perm=(1, 2, 0), contract=2),
             qkv_bias=_optional(cfg.qkv_bias, by_heads(q_bias, kv_bias("k_proj.bias"), kv_bias("v_proj.bias"),
                                                       axis=-2)),
             o_bias=_optional(cfg.o_bias, ParamSpec((E,), ("embed",), a + "o_proj.bias")),
@@ -193,10 +186,10 @@ class Llama(Model):
     def mlp_weights(self, shards: int) -> MLP:
         cfg, m = self.cfg, LAYER + "mlp."
         E, M = cfg.hidden_size, cfg.intermediate_size
-        column = lambda name: ParamSpec((E, M), ("embed", "mlp"), m + name, perm=(1, 0))  # noqa: E731
+        column = lambda name: ParamSpec((E, M), ("embed", "mlp"), m + name, perm=(1, 0), contract=1)  # noqa: E731
         bias = lambda name: ParamSpec((M,), ("mlp",), m + name)  # noqa: E731
         return MLP(gate_up=FusedSpec((column("gate_proj.weight"), column("up_proj.weight")), shards=shards),
-                   down=ParamSpec((M, E), ("mlp", "embed"), m + "down_proj.weight", perm=(1, 0)),
+                   down=ParamSpec((M, E), ("mlp", "embed"), m + "down_proj.weight", perm=(1, 0), contract=1),
                    gate_up_bias=_optional(cfg.mlp_bias, FusedSpec((bias("gate_proj.bias"), bias("up_proj.bias")),
                                                                   shards=shards)),
                    down_bias=_optional(cfg.mlp_bias, ParamSpec((E,), ("embed",), m + "down_proj.bias")))
@@ -206,7 +199,8 @@ class Llama(Model):
         E, X, M = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         block = LAYER + self.experts_prefix
         expert = lambda name, shape, axes: ParamSpec(  # noqa: E731
-            (X, *shape), ("experts", *axes), block + "experts.{expert}." + name + ".weight", perm=(1, 0))
+            (X, *shape), ("experts", *axes), block + "experts.{expert}." + name + ".weight", perm=(1, 0),
+            contract=1)
         gate, up, down = self.expert_names
         column = lambda name: expert(name, (E, M), ("embed", "mlp"))  # noqa: E731
         return Experts(router=ParamSpec((E, X), ("embed", None), block + "gate.weight", perm=(1, 0)),
@@ -233,7 +227,7 @@ class Llama(Model):
     def attention(self, w: Attention, h: jax.Array, cache: PagedKVCache, layer: jax.Array,
                   ctx: StepContext) -> tuple[jax.Array, PagedKVCache]:
         eps = self.cfg.rms_norm_eps
-        qkv = rows_times(h, w.qkv)                                              # one matmul for q, k and v
+        qkv = ctx.matmul(h, w.qkv)                                              # one matmul for q, k and v
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias
         groups, cols = w.qkv.shape[1:3]
@@ -242,10 +236,7 @@ class Llama(Model):
         if w.q_norm is not None:
             q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
         o, cache = ctx.attention(q, k, v, cache, layer, rope_frequencies(self.cfg))
-        # row-parallel: all-reduce over tp. Contracting (h, d) in the weight's own order: as an einsum, XLA
-        # transposed the whole [H, D, E] weight to (d, h) order on every step.
-        out = jax.lax.dot_general(o, w.o, (((2, 3), (0, 1)), ((), ())))
-        out = ctx.constrain(out, ACTIVATIONS)
+        out = ctx.constrain(ctx.matmul(o, w.o, contract=2), ACTIVATIONS)     # row-parallel: all-reduce over tp
         return (out if w.o_bias is None else out + w.o_bias), cache
 
     def ffn(self, w: MLP | Experts, h: jax.Array, ctx: StepContext) -> tuple[jax.Array, jax.Array | None]:
@@ -256,12 +247,12 @@ class Llama(Model):
         return self.mlp(w, h, ctx), None
 
     def mlp(self, w: MLP, h: jax.Array, ctx: StepContext) -> jax.Array:
-        gate_up = rows_times(h, w.gate_up)                                      # one matmul for gate and up
+        gate_up = ctx.matmul(h, w.gate_up)                                      # one matmul for gate and up
         if w.gate_up_bias is not None:
             gate_up = gate_up + w.gate_up_bias
         half = gate_up.shape[-1] // 2
         gate, up = unfuse(gate_up, (half, half), axis=2)
-        out = ctx.constrain(jnp.einsum("btm,me->bte", jax.nn.silu(gate) * up, w.down), ACTIVATIONS)  # all-reduce
+        out = ctx.constrain(ctx.matmul(jax.nn.silu(gate) * up, w.down), ACTIVATIONS)  # all-reduce over tp
         return out if w.down_bias is None else out + w.down_bias
 
 

@@ -17,6 +17,9 @@ Two implementations with one contract:
 - `ragged_paged_attention`: a Pallas kernel lowered through Triton. Grid (query block, kv head); a block
   is up to `block_q` tokens of one sequence times the G = H / KV query heads of its kv head, i.e.
   block_q * G rows of one matmul tile, with an online softmax over the pages it needs.
+Both read quantized pages (int8 or float8_e4m3fn, `k_scales`/`v_scales` [L, KV, pages, P, 1] beside them):
+each page is dequantized to q's dtype as it is gathered or loaded (pallas_kernels/kv_quant.py), and all
+that follows is the unquantized computation.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from jaxinfer.pallas_kernels.kv_quant import dequantize, is_quantized
 
 _LOG2E = math.log2(math.e)
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so a fully masked page gives p = 0, not NaN
@@ -58,15 +63,16 @@ def _token_map(seq_lens: jax.Array, query_start: jax.Array, num_seqs: jax.Array,
 
 def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
                                      page_table: jax.Array, seq_lens: jax.Array, query_start: jax.Array,
-                                     num_seqs: jax.Array, *, sm_scale: float,
-                                     return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+                                     num_seqs: jax.Array, *, sm_scale: float, return_lse: bool = False,
+                                     k_scales: jax.Array | None = None, v_scales: jax.Array | None = None
+                                     ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Each sequence's query tokens over its own pages, causal. q: [N, H, D] -> [N, H, D] in q.dtype
-    (and the log-sum-exp [N, H] float32 with return_lse)."""
+    (and the log-sum-exp [N, H] float32 with return_lse). Quantized pages: their scales [L, KV, pages, P, 1]."""
     chex.assert_rank([q, k_pages, page_table, seq_lens, query_start], [3, 5, 2, 1, 1])
     chex.assert_shape(query_start, (seq_lens.shape[0] + 1,))
     _, pos, valid = _token_map(seq_lens, query_start, num_seqs, q.shape[0])
     out, lse = paged_attention_partial(q, query_start, num_seqs, jnp.where(valid, pos + 1, 0), k_pages, v_pages,
-                                       layer, page_table, sm_scale=sm_scale)
+                                       layer, page_table, sm_scale=sm_scale, k_scales=k_scales, v_scales=v_scales)
     out = out.astype(q.dtype)
     return (out, lse) if return_lse else out
 
@@ -74,7 +80,8 @@ def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
 def paged_attention_partial(q: jax.Array, query_start: jax.Array, num_seqs: jax.Array, kv_limit: jax.Array,
                             k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array, page_table: jax.Array, *,
                             sm_scale: float, page_stride: int = 1, page_offset: jax.Array | int = 0,
-                            block_q: int = BLOCK_Q, block_pages: tuple[int, int] = BLOCK_PAGES
+                            block_q: int = BLOCK_Q, block_pages: tuple[int, int] = BLOCK_PAGES,
+                            k_scales: jax.Array | None = None, v_scales: jax.Array | None = None
                             ) -> tuple[jax.Array, jax.Array]:
     """Attention of each query token over part of its sequence's keys: the general form of the reference.
 
@@ -97,6 +104,8 @@ def paged_attention_partial(q: jax.Array, query_start: jax.Array, num_seqs: jax.
     tokens than slots) also holds a batched path, taken at run time when no sequence needs more than
     twice the table entries of the average one (`together_pays`): every token over the same block of
     its own sequence's entries at once, so the per-sequence loop's fixed cost is paid once per block.
+    Quantized pages (k_scales, v_scales given) are dequantized to q's dtype as each block is gathered
+    (pallas_kernels/kv_quant.py), so all that follows is the unquantized computation on those values.
     """
     chex.assert_rank([q, k_pages, page_table, query_start, kv_limit], [3, 5, 2, 1, 1])
     chex.assert_equal_shape([k_pages, v_pages])
@@ -116,6 +125,13 @@ def paged_attention_partial(q: jax.Array, query_start: jax.Array, num_seqs: jax.
     most = jnp.where(seq == np.arange(slots, dtype=np.int32)[:, None], limit, 0).max(-1)
     needed = jnp.clip((-(-most // page) - page_offset + page_stride - 1) // page_stride, 0, width)
 
+    def gather(pid: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """K and V of pages `pid` (any shape) of the layer: [*pid.shape, KV, P, D], dequantized if need be."""
+        k, v = k_pages[layer, :, pid], v_pages[layer, :, pid]
+        if k_scales is None:
+            return k, v
+        return dequantize(k, k_scales[layer, :, pid], q.dtype), dequantize(v, v_scales[layer, :, pid], q.dtype)
+
     def sequence(s, state):
         t0, t_end = query_start[s], query_start[s + 1]
         lim = jnp.where(seq == s, limit, 0)                  # 0 for tokens of other sequences
@@ -128,8 +144,7 @@ def paged_attention_partial(q: jax.Array, query_start: jax.Array, num_seqs: jax.
 
             def kv_block(b, state):
                 pid = jnp.clip(lax.dynamic_slice(tables, (s, b * size), (1, size))[0], 0, num_pages - 1)
-                k, v = (x[layer, :, pid].transpose(1, 0, 2, 3).reshape(kv, size * page, d)  # [KV, C, D]
-                        for x in (k_pages, v_pages))
+                k, v = (x.transpose(1, 0, 2, 3).reshape(kv, size * page, d) for x in gather(pid))  # [KV, C, D]
                 v = jnp.concatenate([v, jnp.ones_like(v[..., :1])], -1)   # p @ [v | 1]: the denominator too
                 first_key = (b * size * page_stride + page_offset) * page
                 update = functools.partial(_update, window=window, qt=qt, lim=lim, k=k, v=v,
@@ -158,8 +173,8 @@ def paged_attention_partial(q: jax.Array, query_start: jax.Array, num_seqs: jax.
         def kv_block(b, state):
             block = lax.dynamic_slice_in_dim(tables, b * size, size, axis=1)[rows_seq]       # [n, size]
             pid = jnp.clip(block, 0, num_pages - 1)
-            k, v = (x[layer, :, pid].transpose(2, 0, 1, 3, 4).reshape(kv, n, size * page, d)  # [KV, n, C, D]
-                    for x in (k_pages, v_pages))
+            k, v = (x.transpose(2, 0, 1, 3, 4).reshape(kv, n, size * page, d)  # [KV, n, C, D]
+                    for x in gather(pid))
             first_key = (b * size * page_stride + page_offset) * page
             visible = first_key + key_offsets[None, :] < limit[:n, None]  # [n, C]
             s = jnp.einsum("kwgd,kwcd->kwgc", qt[:, :n], k, preferred_element_type=jnp.float32) * sm_scale
@@ -264,10 +279,13 @@ def _block_map(seq_lens: jax.Array, query_start: jax.Array, num_seqs: jax.Array,
                       seq_lens[seq] - q_len[seq] + first], axis=1).astype(jnp.int32)
 
 
-def _kernel(blocks_ref, layer_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref=None, *, block_q: int,
-            group: int, page: int, scale: float):
+def _kernel(blocks_ref, layer_ref, page_table_ref, q_ref, k_ref, v_ref, *refs, block_q: int, group: int, page: int,
+            scale: float, quantized: bool):
     """One (query block, kv head) program: block_q tokens x G heads as rows, online softmax over pages
-    (scores in log2 units: `scale` includes log2(e)); the log-sum-exp, in natural log, where asked."""
+    (scores in log2 units: `scale` includes log2(e)); the log-sum-exp, in natural log, where asked.
+    refs: the scales of quantized pages (k, v), then the output and the log-sum-exp where asked."""
+    ks_ref, vs_ref, o_ref, *lse = refs if quantized else (None, None, *refs)
+    lse_ref = lse[0] if lse else None
     b, h = pl.program_id(0), pl.program_id(1)
     seq = blocks_ref[b, 0]
 
@@ -288,6 +306,9 @@ def _kernel(blocks_ref, layer_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, l
             acc, m, denom = carry
             pid = page_table_ref[seq, j]
             k, v = k_ref[layer, h, pid], v_ref[layer, h, pid]                # [P, D] each
+            if quantized:   # dequantized in registers: the page's bytes read are the quantized ones
+                k = dequantize(k, ks_ref[layer, h, pid], q.dtype)             # scales [P, 1]
+                v = dequantize(v, vs_ref[layer, h, pid], q.dtype)
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
             s = jnp.where((j * page + jnp.arange(page))[None, :] <= row_pos[:, None], s, _MASK)
             m_new = jnp.maximum(m, s.max(axis=1))
@@ -327,15 +348,20 @@ def _check_shapes(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> None:
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
                            page_table: jax.Array, seq_lens: jax.Array, query_start: jax.Array,
                            num_seqs: jax.Array, *, sm_scale: float, block_q: int | None = None,
-                           interpret: bool = False,
-                           return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+                           interpret: bool = False, return_lse: bool = False, k_scales: jax.Array | None = None,
+                           v_scales: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Pallas (Triton) ragged paged attention; same contract as `ragged_paged_attention_reference`.
 
     block_q: tokens per query block (power of two); None picks 16 // G so decode wastes little.
+    k_scales, v_scales: quantized pages' scales [L, KV, pages, P, 1]; each page is dequantized to q's dtype
+    as it is loaded.
     """
     n, h, d = q.shape
     num_layers, kv, _, page, _ = k_pages.shape
     _check_shapes(q, k_pages, v_pages)
+    quantized = k_scales is not None
+    if quantized != is_quantized(k_pages.dtype):
+        raise ValueError(f"pages of {k_pages.dtype} {'need' if is_quantized(k_pages.dtype) else 'take no'} scales")
     group = h // kv
     gp = 1 << (group - 1).bit_length()  # Triton tensors need power-of-two dims: pad the head group
     block_q = _pick_block_q(gp) if block_q is None else block_q
@@ -347,7 +373,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     blocks = _block_map(seq_lens, query_start, num_seqs, block_q, num_blocks)
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1).reshape(1)
     kernel = pl.pallas_call(
-        lambda *refs: _kernel(*refs, block_q=block_q, group=gp, page=page, scale=sm_scale * _LOG2E),
+        lambda *refs: _kernel(*refs, block_q=block_q, group=gp, page=page, scale=sm_scale * _LOG2E,
+                              quantized=quantized),
         grid=(num_blocks, kv),  # block index fastest: neighbouring programs share a kv head's pages in L2
         out_shape=(jax.ShapeDtypeStruct((n, kv * gp, d), q.dtype),
                    *([jax.ShapeDtypeStruct((n, kv * gp), jnp.float32)] if return_lse else [])),
@@ -357,7 +384,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         interpret=interpret,
         name="ragged_paged_attention",
     )
-    out, *lse = kernel(blocks, layer, page_table.astype(jnp.int32), q, k_pages, v_pages)
+    scales = (k_scales, v_scales) if quantized else ()
+    out, *lse = kernel(blocks, layer, page_table.astype(jnp.int32), q, k_pages, v_pages, *scales)
     out = out.reshape(n, kv, gp, d)[:, :, :group].reshape(n, h, d)
     valid = jnp.arange(n) < query_start[num_seqs]  # padding tokens belong to no block: their rows are unset
     out = jnp.where(valid[:, None, None], out, 0)

@@ -15,6 +15,12 @@ f32 before the sum, except that compilers may contract one product and the sum i
 and Triton do): within 1 ulp in f32. The jitted reference and the interpreted kernel agree bit for bit.
 Rotated k is cast to k's dtype and then to the pool dtype (as "rope, then write" does); v to the pool dtype.
 
+Quantized pages (int8 or float8_e4m3fn pools, with k_scales and v_scales [L, KV, num_pages, P, 1] bfloat16):
+rotated k (in k's dtype) and v are quantized as they are written, one scale per token and KV head
+(pallas_kernels/kv_quant.py): the kernel takes the amax over both halves of the vector it holds in
+registers, so quantizing costs no extra pass over memory; the scale is stored at [block_tokens, 1] pointers
+beside the rows. Reference and kernel use kv_quant's functions, so their pages agree bit for bit.
+
 The pools are whole-array refs (no BlockSpec), aliased input -> output: Triton hands the kernel raw global
 pointers, so nothing is staged through shared memory and the pool is never copied; each program writes its
 [block_tokens, D/2] rows with one masked scatter store at pointers (layer, kv_head, slot // P, slot % P, d).
@@ -34,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-Arrays3 = tuple[jax.Array, jax.Array, jax.Array]
+from jaxinfer.pallas_kernels.kv_quant import is_quantized, quantize, quantize_with, scale_of
 
 
 def _rotate(x1: jax.Array, x2: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -62,30 +68,43 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     return _rope(x, cos[:, None, :], sin[:, None, :])
 
 
-def write_pages(k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array | int, k: jax.Array, v: jax.Array,
-                slots: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """k, v [N, KV, D] into their slots of one layer; one scatter per pool (mode="drop": a slot outside the
-    pool writes nothing), so a donated pool is updated in place."""
-    num_pages, page_size = k_pages.shape[2], k_pages.shape[3]
+def scatter_rows(pool: jax.Array, layer: jax.Array | int, x: jax.Array, slots: jax.Array) -> jax.Array:
+    """x [N, KV, D'] into its slots of one layer of `pool` [L, KV, pages, P, D'], as they are (one scatter,
+    mode="drop": a slot outside the pool writes nothing), so a donated pool is updated in place."""
+    num_pages, page_size = pool.shape[2], pool.shape[3]
     valid = (slots >= 0) & (slots < num_pages * page_size)
     page = jnp.where(valid, slots // page_size, num_pages)[:, None]       # [N, 1]; num_pages is dropped
     offset = (slots % page_size)[:, None]
-    heads = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]               # [1, KV]
-    index = (layer, heads, page, offset)                                   # broadcasts to [N, KV]
-    return (k_pages.at[index].set(k.astype(k_pages.dtype), mode="drop"),
-            v_pages.at[index].set(v.astype(v_pages.dtype), mode="drop"))
+    heads = jnp.arange(x.shape[1], dtype=jnp.int32)[None, :]               # [1, KV]
+    return pool.at[layer, heads, page, offset].set(x.astype(pool.dtype), mode="drop")   # broadcasts to [N, KV]
+
+
+def write_pages(k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array | int, k: jax.Array, v: jax.Array,
+                slots: jax.Array, *, k_scales: jax.Array | None = None,
+                v_scales: jax.Array | None = None) -> tuple[jax.Array, ...]:
+    """k, v [N, KV, D] into their slots of one layer -> (k_pages, v_pages). With scales (quantized pages,
+    pallas_kernels/kv_quant.py), each vector is quantized to the pool's dtype first and its scale written
+    beside it -> (k_pages, v_pages, k_scales, v_scales)."""
+    if k_scales is None:
+        return scatter_rows(k_pages, layer, k, slots), scatter_rows(v_pages, layer, v, slots)
+    (kq, ks), (vq, vs) = quantize(k, k_pages.dtype), quantize(v, v_pages.dtype)
+    return (scatter_rows(k_pages, layer, kq, slots), scatter_rows(v_pages, layer, vq, slots),
+            scatter_rows(k_scales, layer, ks, slots), scatter_rows(v_scales, layer, vs, slots))
 
 
 def rope_and_write_reference(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                              layer: jax.Array | int, positions: jax.Array, slots: jax.Array,
-                             inv_freq: jax.Array) -> Arrays3:
-    """Pure jax.numpy: RoPE, then the K/V write."""
+                             inv_freq: jax.Array, *, k_scales: jax.Array | None = None,
+                             v_scales: jax.Array | None = None) -> tuple[jax.Array, ...]:
+    """Pure jax.numpy: RoPE, then the K/V write -> (q_rot, k_pages, v_pages), and the scales with them for
+    quantized pages (write_pages)."""
     chex.assert_rank([q, k, v, k_pages, v_pages, positions, slots], [3, 3, 3, 5, 5, 1, 1])
     chex.assert_equal_shape([k, v])
     chex.assert_equal_shape([k_pages, v_pages])
     chex.assert_equal_shape([positions, slots])
-    k_pages, v_pages = write_pages(k_pages, v_pages, layer, rope(k, positions, inv_freq), v, slots)
-    return rope(q, positions, inv_freq), k_pages, v_pages
+    pools = write_pages(k_pages, v_pages, layer, rope(k, positions, inv_freq), v, slots, k_scales=k_scales,
+                        v_scales=v_scales)
+    return rope(q, positions, inv_freq), *pools
 
 
 def _is_pow2(n: int) -> bool:
@@ -113,9 +132,21 @@ def _check(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages
                          f"{slots.shape}, {inv_freq.shape}")
 
 
-def _kernel(layer_ref, pos_ref, slot_ref, freq_ref, q_ref, k_ref, v_ref, _k_in, _v_in,
-            q_out, k_pool, v_pool, *, block_tokens: int, group: int) -> None:
-    """Program (i, g): tokens [i*BT, i*BT+BT) of kv head g and its `group` query heads."""
+def _round_ptx(y: jax.Array) -> jax.Array:
+    """Round half to even in the Triton kernel, whose lowering has no jnp.round: PTX cvt.rni on each float32."""
+    (out,) = plgpu.elementwise_inline_asm("cvt.rni.f32.f32 $0, $1;", args=[y], constraints="=f,f", pack=1,
+                                          result_shape_dtypes=[jax.ShapeDtypeStruct(y.shape, y.dtype)])
+    return out
+
+
+def _kernel(layer_ref, pos_ref, slot_ref, freq_ref, q_ref, k_ref, v_ref, *refs, block_tokens: int, group: int,
+            quantized: bool, interpret: bool) -> None:
+    """Program (i, g): tokens [i*BT, i*BT+BT) of kv head g and its `group` query heads. refs: the pools as
+    inputs (aliased, unread), then q_out and the pools as outputs; quantized pages have their scales after
+    each pool group."""
+    n_pools = 4 if quantized else 2
+    q_out, k_pool, v_pool, *scales = refs[n_pools:]
+    k_scale, v_scale = scales if quantized else (None, None)
     bt, g = block_tokens, pl.program_id(1)
     n_tok, half = q_ref.shape[0], q_ref.shape[2] // 2
     num_pages, page_size = k_pool.shape[2], k_pool.shape[3]
@@ -145,32 +176,50 @@ def _kernel(layer_ref, pos_ref, slot_ref, freq_ref, q_ref, k_ref, v_ref, _k_in, 
     page, offset = (slot // page_size)[:, None], (slot % page_size)[:, None]
     layer = layer_ref[0]
     cols = jnp.arange(half, dtype=jnp.int32)[None, :]
+
+    def store(pool, scale_pool, lo, hi):
+        """A vector's halves [BT, D/2] (float32 holding values of the model's dtype) into their rows; quantized:
+        the amax over both halves gives the scale (kv_quant), stored at [BT, 1] pointers beside the page."""
+        if scale_pool is not None:
+            amax = jnp.maximum(jnp.abs(lo).max(axis=1, keepdims=True), jnp.abs(hi).max(axis=1, keepdims=True))
+            scale = scale_of(amax, pool.dtype)                             # [BT, 1]
+            rne = jnp.round if interpret else _round_ptx
+            lo, hi = (quantize_with(part, scale, pool.dtype, rne) for part in (lo, hi))
+            plgpu.store(scale_pool.at[layer, g, page, offset, jnp.zeros((1, 1), jnp.int32)], scale, mask=ok)
+        for part, start in ((lo, 0), (hi, half)):
+            plgpu.store(pool.at[layer, g, page, offset, cols + start], part.astype(pool.dtype), mask=ok)
+
     lo, hi = rotate_head(k_ref, g)
-    for part, start in ((lo, 0), (hi, half)):
-        dst = (layer, g, page, offset, cols + start)
-        plgpu.store(k_pool.at[dst], part.astype(k_ref.dtype).astype(k_pool.dtype), mask=ok)
-        v_part = plgpu.load(v_ref.at[tok, g, pl.ds(start, half)], mask=in_n, other=0)
-        plgpu.store(v_pool.at[dst], v_part.astype(v_pool.dtype), mask=ok)
+    store(k_pool, k_scale, lo.astype(k_ref.dtype).astype(jnp.float32), hi.astype(k_ref.dtype).astype(jnp.float32))
+    v_lo, v_hi = (plgpu.load(v_ref.at[tok, g, cols_], mask=in_n, other=0).astype(jnp.float32)
+                  for cols_ in (lo_cols, hi_cols))
+    store(v_pool, v_scale, v_lo, v_hi)
 
 
 @functools.partial(jax.jit, static_argnames=("block_tokens", "interpret"))
 def rope_and_write(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                    layer: jax.Array | int, positions: jax.Array, slots: jax.Array, inv_freq: jax.Array, *,
-                   block_tokens: int = 16, interpret: bool = False) -> Arrays3:
-    """Pallas (Triton lowering) version of rope_and_write_reference; the pools are aliased to the outputs."""
+                   k_scales: jax.Array | None = None, v_scales: jax.Array | None = None,
+                   block_tokens: int = 16, interpret: bool = False) -> tuple[jax.Array, ...]:
+    """Pallas (Triton lowering) version of rope_and_write_reference; the pools (and scales) are aliased to the
+    outputs."""
     _check(q, k, v, k_pages, v_pages, positions, slots, inv_freq, block_tokens)
+    quantized = k_scales is not None
+    if quantized != is_quantized(k_pages.dtype):
+        raise ValueError(f"pages of {k_pages.dtype} {'need' if is_quantized(k_pages.dtype) else 'take no'} scales")
     N, H, D = q.shape
     KV = k.shape[1]
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
-    kernel = functools.partial(_kernel, block_tokens=block_tokens, group=H // KV)
+    pools = (k_pages, v_pages, k_scales, v_scales) if quantized else (k_pages, v_pages)
+    kernel = functools.partial(_kernel, block_tokens=block_tokens, group=H // KV, quantized=quantized,
+                               interpret=interpret)
     return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(N, block_tokens), KV),
-        out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
-        input_output_aliases={7: 1, 8: 2},
+        out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in pools)),
+        input_output_aliases={7 + i: 1 + i for i in range(len(pools))},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="rope_and_write",
     )(layer_arr, positions.astype(jnp.int32), slots.astype(jnp.int32), inv_freq.astype(jnp.float32), q, k, v,
-      k_pages, v_pages)
+      *pools)

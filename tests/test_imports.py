@@ -12,7 +12,8 @@ FOLDERS = {"jaxinfer": REPO / "jaxinfer", "jaxinfer.models": REPO / "models",
 # Lowest first; a module may import its own layer and those below it. Names are module-name prefixes.
 LAYERS = [
     ["jaxinfer.config", "jaxinfer.mesh", "jaxinfer.sharding", "jaxinfer.distributed", "jaxinfer.checkpoint",
-     "jaxinfer.sampling", "jaxinfer.step", "jaxinfer.tokenizer", "jaxinfer.collectives"],
+     "jaxinfer.sampling", "jaxinfer.step", "jaxinfer.tokenizer", "jaxinfer.collectives", "jaxinfer.quant",
+     "jaxinfer.quant_formats"],
     ["jaxinfer.device", "jaxinfer.models", "jaxinfer.pallas_kernels", "jaxinfer.meshes"],
     ["jaxinfer.engine"],
     ["jaxinfer.llm", "jaxinfer.random_model", "jaxinfer.cli", "jaxinfer"],

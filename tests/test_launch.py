@@ -61,6 +61,9 @@ def test_mesh_and_model(cache, tp2):
     assert (cache / "default-random-llama" / "model.safetensors").is_file()
     assert tp2["architecture"] == "LlamaForCausalLM"
     assert tp2["dtype"] == "float32"
+    assert tp2["kv_cache_dtype"] == "float32"                  # "auto": the model's dtype
+    c = DEFAULT   # per device: layers x its 2 of the 4 KV heads x (K, V) x head_dim float32 values
+    assert tp2["kv_bytes_per_token_per_device"] == LAYERS * 2 * 2 * c["hidden_size"] // c["num_attention_heads"] * 4
 
 
 def test_output(cache, tp2):
@@ -104,7 +107,8 @@ def test_readable_output_reports_the_json_figures(cache, tp2):
     assert lines[:6] == [
         f"model   {tp2['model']} [LlamaForCausalLM, float32]",
         f"mesh    tp=2 on 2 cpu device(s); {tp2['parameter_bytes_per_device'] / 2**20:.1f} MiB of weights per device",
-        f"cache   {tp2['kv_pages_per_replica']} pages of {tp2['page_size']} tokens per replica; "
+        f"cache   {tp2['kv_pages_per_replica']} pages of {tp2['page_size']} tokens per replica, float32 "
+        f"({tp2['kv_bytes_per_token_per_device']} bytes a token per device); "
         f"attention backend {tp2['attention_backend']}",
         f"prompt  {tp2['prompt_tokens']} tokens",
         f"output  {tp2['output_text']!r}",
@@ -162,3 +166,4 @@ def test_missing_model_exits_2(cache):
     assert r.returncode == 2
     assert "no-such-model" in r.stderr and "does not exist" in r.stderr
     assert "Traceback" not in r.stderr
+

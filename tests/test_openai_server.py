@@ -290,6 +290,13 @@ BIG = 2**70
     ("c", {"truncate_prompt_tokens": -BIG}, "truncate_prompt_tokens", f"truncate_prompt_tokens={-BIG}"),
     ("chat", {"top_logprobs": 21, "logprobs": True}, "top_logprobs", "top_logprobs=21 must be an integer in [0, 20]"),
     ("chat", {"top_logprobs": -1, "logprobs": True}, "top_logprobs", "top_logprobs=-1"),
+    ("c", {"echo": True, "logprobs": 21}, "logprobs", "logprobs=21 must be None or an integer in [0, 20]"),
+    ("c", {"prompt_logprobs": 21}, "prompt_logprobs", "prompt_logprobs=21 must be an integer in [0, 20]"),
+    ("c", {"prompt_logprobs": -1}, "prompt_logprobs", "(-1, the whole vocabulary, is not supported)"),
+    ("c", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "not available with stream=true"),
+    ("chat", {"prompt_logprobs": -2}, "prompt_logprobs", "prompt_logprobs=-2 must be an integer in [0, 20]"),
+    ("c", {"max_tokens": 0}, "max_tokens", "max_tokens=0 needs echo=true"),
+    ("c", {"max_tokens": -1, "echo": True}, "max_tokens", "max_tokens=-1 must be an integer in [1, 2**31)"),
     ("chat", {"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens=0 must be an integer"),
     ("chat", {"max_completion_tokens": BIG}, "max_completion_tokens", f"max_completion_tokens={BIG}"),
     ("chat", {"max_completion_tokens": 600}, "max_completion_tokens", "maximum context length is 512"),
@@ -306,7 +313,6 @@ BIG = 2**70
     ("c", {"min_tokens": 2}, "min_tokens", "`min_tokens` is not supported"),
     ("c", {"guided_json": {"type": "object"}}, "guided_json", "`guided_json` is not supported"),
     ("c", {"guided_regex": "a+", "guided_choice": ["a"]}, "guided_regex", "`guided_regex`, `guided_choice` are"),
-    ("c", {"prompt_logprobs": 1}, "prompt_logprobs", "`prompt_logprobs` is not supported"),
     ("c", {"response_format": {"type": "json_object"}}, "response_format", "`response_format` is not supported"),
     ("chat", {"guided_grammar": "root ::= x"}, "guided_grammar", "`guided_grammar` is not supported"),
     ("chat", {"functions": [{"name": "f"}]}, "functions", "`functions` is not supported"),
@@ -531,6 +537,9 @@ def test_models_health_version_tokenize_detokenize(llm, url):
     assert text == llm.tokenizer.decode(ids["tokens"])
     bad = httpx.post(f"{url}/detokenize", json={"tokens": [10**6]}, headers=auth)
     assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
+    assert httpx.get(f"{url}/tokenizer_info").status_code == 401          # guarded like /tokenize
+    info = httpx.get(f"{url}/tokenizer_info", headers=auth).json()         # what lm-eval's remote tokenizer reads
+    assert info["eos_token"] == "</s>" and info["chat_template"] == llm.tokenizer.chat_template
 
 
 def test_a_batch_file_gives_one_result_line_per_request(llm, tmp_path):

@@ -332,6 +332,13 @@ def test_cpu_rope_write_attend_refuses_disagreeing_shapes():
             inp["q"], new["k"][:, :1], new["v"][:, :1], inp["k_pages"], inp["v_pages"], inp["layer"],
             new["positions"], new["slots"], new["inv_freq"], inp["page_table"], inp["seq_lens"], inp["query_start"],
             inp["num_seqs"], sm_scale=0.25))
+    pools = [jnp.zeros(inp["k_pages"].shape, jnp.int8)] * 2                 # quantized pages (tests/test_kv_quant.py)
+    flat = jnp.ones(inp["k_pages"].shape[:-1], jnp.bfloat16)               # scales without their trailing axis of 1
+    with pytest.raises(Exception, match="operand shapes or dtypes disagree"):
+        jax.block_until_ready(cpu.rope_write_attend(
+            inp["q"], new["k"], new["v"], *pools, inp["layer"], new["positions"], new["slots"], new["inv_freq"],
+            inp["page_table"], inp["seq_lens"], inp["query_start"], inp["num_seqs"], sm_scale=0.25, k_scales=flat,
+            v_scales=flat))
 
 
 @on_cpu

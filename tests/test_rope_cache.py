@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer.pallas_kernels.kv_quant import dequantize
 from jaxinfer.pallas_kernels.rope_cache import rope_and_write, rope_and_write_reference
 
 INTERPRET = jax.default_backend() != "gpu"   # JAX_PLATFORMS=cuda runs the kernel for real
@@ -146,6 +147,40 @@ def test_pool_updated_in_place_when_donated():
         out = donated(*a)
         assert a[3].is_deleted() and a[4].is_deleted()                # the buffers were reused
         assert out[1].shape == kp.shape
+
+
+@pytest.mark.parametrize("kind, hlo_type", [(jnp.int8, "s8"), (jnp.float8_e4m3fn, "f8e4m3fn")])
+def test_quantized_pools_and_scales_updated_in_place_when_donated(kind, hlo_type):
+    """int8 / e4m3fn pages (tests/test_kv_quant.py): the pools and their scales are all aliased, none copied,
+    and kernel and reference store the same bits."""
+    q, k, v, kp, vp, pos, slots, inv = make_case(0, len(SLOTS), KV * 4, 8, np.float32, SLOTS)
+
+    def args():
+        scales = jnp.zeros((*kp.shape[:-1], 1), jnp.bfloat16)
+        return (*map(jnp.asarray, (q, k, v)), jnp.zeros(kp.shape, kind), jnp.zeros(vp.shape, kind), scales,
+                jnp.copy(scales))
+
+    def run(fn):
+        def call(q, k, v, kp, vp, ks, vs):
+            return fn(q, k, v, kp, vp, jnp.int32(1), pos, slots, inv, k_scales=ks, v_scales=vs)
+
+        donated = jax.jit(call, donate_argnums=(3, 4, 5, 6))
+        hlo = donated.lower(*args()).compile().as_text()
+        aliases = ", ".join(rf"\{{{i}\}}: \({i + 2}, \{{\}}, may-alias\)" for i in range(1, 5))
+        assert re.search(r"input_output_alias=\{ " + aliases, hlo)
+        assert not re.search(rf"{hlo_type}\[{L},{KV},{NUM_PAGES},{P},8\]\{{[0-9,]+\}} copy\(", hlo)
+        a = args()
+        out = donated(*a)
+        assert all(x.is_deleted() for x in a[3:])
+        return out
+
+    got, want = run(lambda *a, **kw: rope_and_write(*a, **kw, block_tokens=4, interpret=INTERPRET)), \
+        run(rope_and_write_reference)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=0, atol=2e-6)   # an FMA apart at most
+    for pool, scale in ((1, 3), (2, 4)):   # rotated k an FMA apart may round the other way: one step at most
+        moved = np.abs(np.asarray(dequantize(got[pool], got[scale], jnp.float32))
+                       - np.asarray(dequantize(want[pool], want[scale], jnp.float32)))
+        assert np.all(moved <= 1.01 * np.asarray(want[scale], np.float32))
 
 
 ABSTRACT_H100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)

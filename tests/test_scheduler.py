@@ -1,6 +1,7 @@
 """The scheduler of one replica on its own (no device): what it schedules, preemption order, admission under a
 full pool, prefix-cache hits, and progress where pages are scarce. Sampled tokens are made up here."""
 
+import numpy as np
 import pytest
 
 from jaxinfer.engine.page_pool import PagePool
@@ -10,8 +11,9 @@ from jaxinfer.sampling import SamplingParams
 P = 4  # tokens per page
 
 
-def request(rid: str, prompt: list[int], budget: int) -> Request:
-    return Request(rid, list(prompt), SamplingParams(temperature=0), seed=0, budget=budget, stop_ids=frozenset())
+def request(rid: str, prompt: list[int], budget: int, **params) -> Request:
+    return Request(rid, list(prompt), SamplingParams(temperature=0, **params), seed=0, budget=budget,
+                   stop_ids=frozenset())
 
 
 def step(s: Scheduler, token: int = 7):
@@ -231,3 +233,35 @@ def test_a_request_aborted_in_flight_is_skipped_when_its_output_comes_back():
     a.finish_reason = "abort"
     assert s.update(first, [9]) == [] and a.output == []
     assert pipeline_run(s, stages=2) and b.output == [7, 7] and s.pool.available == 8
+
+
+def step_with_prompt_logprobs(s: Scheduler) -> list:
+    """One step whose made-up prompt log-probabilities ([tokens, 2 + 2K], K = 1) give target t the log-probability
+    -t and rank 1. Returns the step's sequences."""
+    out = s.schedule()
+    targets = np.concatenate([q.prompt_targets if q.prompt_targets is not None else np.full(len(q.token_ids), -1)
+                              for q in out.sequences] or [np.zeros(0)])
+    rows = np.stack([-targets, np.ones_like(targets), targets, -targets], axis=-1).astype(np.float32)
+    s.update(out, [7] * len(out.sequences), None, rows)
+    return out.sequences
+
+
+def test_prompt_logprobs_ask_each_position_once_and_skip_only_the_cached_pages_they_need():
+    s = Scheduler(PagePool(16, P), max_seqs=4, max_tokens=8)
+    prompt = list(range(10, 30))                                    # 20 tokens: 5 pages
+    s.add(request("warm", prompt, budget=1))
+    while len(s):
+        step_with_prompt_logprobs(s)                                # the prompt's full pages are now cached
+    r = request("a", prompt, budget=3, prompt_logprobs=1)
+    s.add(r)
+    [seq] = step_with_prompt_logprobs(s)
+    assert (seq.start, r.cached_tokens) == (0, 0)                   # nothing from the cache: its logits are needed
+    assert seq.prompt_targets.tolist() == prompt[1:9]               # each position asks for the next prompt token
+    assert r.prompt_logprobs == [None] + [{t: -float(t)} for t in prompt[1:9]] and r.prompt_ranks[1:] == [1] * 8
+    s.preempt(r)                  # readmitted: the cache serves the pages whose positions' entries are in, no more
+    [seq] = step_with_prompt_logprobs(s)
+    assert (seq.start, r.cached_tokens) == (2 * P, 2 * P) and seq.prompt_targets.tolist() == prompt[9:17]
+    while r.finish_reason is None:
+        seqs = step_with_prompt_logprobs(s)
+    assert seqs[0].prompt_targets is None and not seqs[0].prefill   # a decode step asks nothing
+    assert r.prompt_logprobs[1:] == [{t: -float(t)} for t in prompt[1:]] and len(r.output) == 3

@@ -118,6 +118,26 @@ def test_ids_from_model_configs_without_tokenizer_config(llama_copy):
     assert (t.bos_id, t.eos_ids, t.pad_id) == (1, [2], 3)
 
 
+def test_info_is_the_config_as_transformers_holds_it(llama_copy):
+    """vLLM's /tokenizer_info body: AddedToken dicts as their text, no file paths, the template in use, and the
+    special tokens the config leaves out."""
+    d = llama_copy
+    added = {"content": "<s>", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+             "special": True}
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"__type": "AddedToken", **added}, "added_tokens_decoder": {"1": added},
+        "vocab_file": "/somewhere/vocab.json", "merges_file": "merges.txt", "chat_template": "ignored",
+        "model_max_length": 10**30, "extra": {"content": 5}}))
+    info = Tokenizer.from_dir(d).info()
+    assert info == {"bos_token": "<s>", "added_tokens_decoder": {"1": "<s>"}, "model_max_length": 10**30,
+                    "extra": {"content": 5}, "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>",
+                    "pad_token": "<pad>", "chat_template": (d / "chat_template.jinja").read_text()}
+    (d / "chat_template.jinja").unlink()
+    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    info = Tokenizer.from_dir(d).info()   # no template, no config tokens: those found in config.json by id
+    assert info == {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+
+
 def _stream(t, ids, prompt_ids=(), **kw):
     det = IncrementalDetokenizer(t, list(prompt_ids), **kw)
     deltas = [det.add(i) for i in ids]

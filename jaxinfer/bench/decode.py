@@ -18,7 +18,8 @@ Why each number is what it is:
   W = bytes of all parameter shards summed over all devices (a weight replicated on r devices counts r
   times: each copy is read once per step; under tp the norm vectors are replicated, under dp everything);
   K = layers x batch x 2 x kv_heads x head_dim x dtype_bytes x average context during decode, kv_heads
-  after replication for tp, average context = prompt_len + (decode_steps + 1) / 2.
+  after replication for tp, dtype_bytes those of the KV pages (int8/fp8: 1, plus a 2-byte scale per
+  head_dim values), average context = prompt_len + (decode_steps + 1) / 2.
   W + K is what a decode step must read, not exactly what this implementation moves: W counts the whole
   embedding table although a step gathers only `batch` rows of it (fewer bytes), while attention and the
   reads every page of the page-table bucket (a power of two), not just the context (more bytes).
@@ -193,12 +194,13 @@ def weight_bytes_read(llm) -> int:
 
 
 def kv_bytes_read(llm, batch: int, avg_context: float) -> float:
-    """K: cache bytes a decode step must read, at the average context length of the decode steps."""
-    import jax.numpy as jnp
+    """K: cache bytes a decode step must read, at the average context length of the decode steps (int8/fp8
+    pages: their elements and scales)."""
+    from jaxinfer.device.kv_cache import vector_bytes
 
     cfg = llm.config
-    itemsize = jnp.dtype(llm.dtype).itemsize
-    return cfg.num_layers * batch * 2 * llm.engine.kv_heads * cfg.head_dim * itemsize * avg_context
+    vector = vector_bytes(cfg.head_dim, llm.dtype, llm.engine.config.kv_cache_dtype)
+    return cfg.num_layers * batch * 2 * llm.engine.kv_heads * vector * avg_context
 
 
 def bench_batch(llm, batch: int, prompt_len: int, max_tokens: int, seed: int, bandwidth: float,
@@ -373,6 +375,7 @@ def run(args: argparse.Namespace) -> dict:
         "preset": args.preset if random_weights else None,
         "random_weights": random_weights, "architecture": llm.config.architecture,
         "num_params": llm.config.num_params(), "dtype": jnp.dtype(llm.dtype).name,
+        "kv_cache_dtype": llm.engine.kv_cache_dtype, "kv_pages_per_replica": llm.engine.pages_per_replica,
         "mesh": {a: getattr(llm.mesh_config, a) for a in ("dp", "pp", "tp", "ep", "sp")},
         "devices": llm.mesh_config.size, "platform": llm.layout.platform,
         "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
@@ -425,7 +428,7 @@ def readable(r: dict) -> str:
     mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1) or "single device"
     lines = [f"model     {r['label']} [{r['architecture']}, {r['num_params'] / 1e6:.1f}M params, {r['dtype']}]",
              f"mesh      {mesh} on {r['devices']} {r['platform']} device(s); prompt {r['prompt_len']} tokens, "
-             f"{r['max_tokens']} generated",
+             f"{r['max_tokens']} generated; KV pages {r['kv_cache_dtype']}, {r['kv_pages_per_replica']} per replica",
              f"memory    {r['memory_bandwidth_gbps']:.1f} GB/s host copy bandwidth (read+write; shared by all "
              f"CPU devices); W = {r['weight_bytes_per_step'] / 2**20:.1f} MiB of weight shards read per step",
              f"{'batch':>5} {'prefill tok/s':>13} {'decode tok/s':>12} {'XLA floor':>9} {'of floor':>8} "

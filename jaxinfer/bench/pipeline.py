@@ -80,7 +80,8 @@ def bench_pp(path, pp: int, args: argparse.Namespace, dtype: str) -> dict:
     w, engine = llm.weights, llm.engine
     layer_bytes = sum(x.nbytes for x in jax.tree.leaves(w.layers)) // pp
     ends = sum(x.nbytes for x in jax.tree.leaves((w.embed, w.head)))
-    per_page = page_bytes(w.stage_layers, engine.kv_heads, engine.config.page_size, llm.config.head_dim, llm.dtype)
+    per_page = page_bytes(w.stage_layers, engine.kv_heads, engine.config.page_size, llm.config.head_dim, llm.dtype,
+                          engine.config.kv_cache_dtype)
     M, P = burst.microbatches, pp
     report = llm.collective_report().get("decode", {}).get("collective-permute", {"count": 0, "bytes": 0})
     return {

@@ -82,7 +82,7 @@ def decode(path, sp: int, args: argparse.Namespace, dtype: str) -> list[dict]:
     engine, rows = llm.engine, []
     P = engine.config.page_size
     per_page = page_bytes(llm.weights.stage_layers, engine.kv_heads // llm.layout.axis_size("kv_heads"), P,
-                          llm.config.head_dim, llm.dtype)
+                          llm.config.head_dim, llm.dtype, engine.config.kv_cache_dtype)
     rng = np.random.default_rng(sp)
     for context in args.contexts:
         prompt = lambda c=context: rng.integers(4, llm.config.vocab_size, c).tolist()  # noqa: E731

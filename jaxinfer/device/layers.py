@@ -25,7 +25,9 @@ from flax import struct
 from jaxinfer.checkpoint import ParamSpec, Spec, is_spec
 from jaxinfer.device.attention import attention
 from jaxinfer.device.kv_cache import PagedKVCache
+from jaxinfer.device.matmul import model_matmul
 from jaxinfer.device.moe import moe
+from jaxinfer.quant import QuantArray
 from jaxinfer.sharding import Axes, Layout
 from jaxinfer.step import StepMetadata
 
@@ -159,7 +161,12 @@ class StepContext:
             return self.attend(q, k, v, cache, layer, inv_freq)
         return attention(q, k, v, cache, layer, inv_freq, self.meta, self.layout, self.backend)
 
-    def moe(self, x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array, *,
+    def matmul(self, x: jax.Array, w: jax.Array | QuantArray, contract: int = 1) -> jax.Array:
+        """x [R, N, *k] times a weight [*k, *out], plain or quantized (jaxinfer.quant) -> [R, N, *out], by the
+        backend's kernel where it has one (jaxinfer.device.matmul)."""
+        return model_matmul(x, w, contract, self.layout, self.backend)
+
+    def moe(self, x: jax.Array, router: jax.Array, gate_up: jax.Array | QuantArray, down: jax.Array | QuantArray, *,
             top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
         """Expert-parallel SwiGLU experts (jaxinfer.device.moe), gate and up fused:
         (y [R, N, E], tokens per expert [R, X])."""

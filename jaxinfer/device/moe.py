@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxinfer.checkpoint import unfuse
+from jaxinfer.quant import QuantArray, axes_of
 from jaxinfer.sharding import Layout
 
 TOKENS = ("batch", "seq", "embed")
@@ -73,11 +74,17 @@ def _gate_and_up(gate_up: jax.Array, axis: int) -> list[jax.Array]:
 def moe_reference(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
                   valid: jax.Array, *, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
     """The ground truth: plain jnp, the chosen experts' weights gathered per token. Padding tokens -> 0."""
+    w_gate_up, w_down = _plain(w_gate_up, x.dtype), _plain(w_down, x.dtype)
     weights, experts, counts = route(x, router, valid, top_k=top_k, normalize=normalize)
     gate, up = _gate_and_up(jnp.einsum("rne,rnkegc->rnkgc", x, w_gate_up[experts]), axis=3)
     out = jnp.einsum("rnkm,rnkme->rnke", jax.nn.silu(gate) * up, w_down[experts])
     y = (weights[..., None] * out).sum(2)
     return jnp.where(valid[..., None], y, 0).astype(x.dtype), counts
+
+
+def _plain(w: jax.Array | QuantArray, dtype) -> jax.Array:
+    """Quantized experts are dequantized where they are used, on the devices that hold them."""
+    return w.dequantize(dtype) if isinstance(w, QuantArray) else w
 
 
 def _uint(dtype: jnp.dtype) -> jnp.dtype:
@@ -106,10 +113,11 @@ def moe(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array
     Communication per call and device: two all-to-alls over ep (bytes in the module docstring) and, where
     the FFN width is split (tp > 1), one all-reduce of the [n, E] output; no all-gather, weights never move.
     """
-    chex.assert_rank([x, router, w_gate_up, w_down, valid], [3, 2, 4, 3, 2])
-    chex.assert_shape(router, (x.shape[-1], w_gate_up.shape[0]))
-    chex.assert_shape(w_gate_up, (w_gate_up.shape[0], x.shape[-1], None, None))
-    chex.assert_shape(w_down, (w_gate_up.shape[0], w_gate_up.shape[2] * w_gate_up.shape[3] // 2, x.shape[-1]))
+    gu, dn = (w.values if isinstance(w, QuantArray) else w for w in (w_gate_up, w_down))  # (quantized: the values)
+    chex.assert_rank([x, router, gu, dn, valid], [3, 2, 4, 3, 2])
+    chex.assert_shape(router, (x.shape[-1], gu.shape[0]))
+    chex.assert_shape(gu, (gu.shape[0], x.shape[-1], None, None))
+    chex.assert_shape(dn, (gu.shape[0], gu.shape[2] * gu.shape[3] // 2, x.shape[-1]))
     chex.assert_shape(valid, x.shape[:2])
     num_experts = router.shape[1]
     ep_axis, tp_axis = _one_mesh_axis(layout, "experts"), _one_mesh_axis(layout, "mlp")
@@ -128,6 +136,7 @@ def moe(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array
         return lax.all_to_all(t, ep_axis, 0, 0, tiled=True) if ep > 1 else t
 
     def local(x, valid, router, w_gate_up, w_down):
+        w_gate_up, w_down = _plain(w_gate_up, x.dtype), _plain(w_down, x.dtype)
         r, n, embed = x.shape
         weights, experts, counts = route(x, router, valid, top_k=top_k, normalize=normalize)
         cap = r * n * top_k  # C: one slot per assignment, to every rank
@@ -163,7 +172,8 @@ def moe(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array
             counts = lax.psum(counts, seq_axes)
         return (lax.psum(y, tp_axis) if tp > 1 else y), counts
 
-    return layout.shard_map(local, in_axes=(TOKENS, TOKENS[:2], None, WEIGHTS_IN, WEIGHTS_OUT),
+    weight_axes = (axes_of(w_gate_up, WEIGHTS_IN), axes_of(w_down, WEIGHTS_OUT))
+    return layout.shard_map(local, in_axes=(TOKENS, TOKENS[:2], None, *weight_axes),
                             out_axes=(TOKENS, ("batch", None)))(x, valid, router, w_gate_up, w_down)
 
 

@@ -120,12 +120,12 @@ class PipelineRunner(ModelRunner):
             self.state = self.state.replace(carry=self._resize(self.state.carry, tokens, self.sp))
         return super().dispatch(kind, batch, phase)
 
-    def collect_step(self, step: Dispatched) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    def collect_step(self, step: Dispatched) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
         """(tokens sampled for the microbatch leaving the last stage [R, S], their log-probabilities, its MoE
-        counts or None)."""
-        tokens, logprobs, counts = self.collect(step)
+        counts or None, its prompt log-probabilities or None), as ModelRunner.collect_step."""
+        tokens, logprobs, counts, prompt = self.collect(step)
         counts = None if counts is None else counts_by_layer(counts, self._moe_stacks, self.model.cfg.moe_layers)
-        return tokens, logprobs, counts
+        return tokens, logprobs, counts, prompt
 
     # ---- traced ---------------------------------------------------------------------------------
     def _layers(self, layers: tuple[LayerStack, ...], x: jax.Array, cache: PagedKVCache, ctx: StepContext,
@@ -180,8 +180,9 @@ class PipelineRunner(ModelRunner):
 
     def _step(self, weights: Weights, state: PipelineState, batch: PipelineBatch):
         P, last = self.stages, (batch.logits_index, batch.sample_positions, batch.sampling)
+        top = batch.prompt_top
 
-        def stage(layers, embed, head, cache, carry, tokens, meta, active, last):
+        def stage(layers, embed, head, cache, carry, tokens, meta, active, last, targets):
             s, active = jax.lax.axis_index("pp"), active[0]
             ctx = StepContext(self.stage_layout, jax.tree.map(lambda m: m[0], meta), self.backend, stage=s)
             x = jax.lax.cond(s == 0, lambda: ctx.constrain(self._embed(embed, tokens, ctx), ACTIVATIONS),
@@ -195,15 +196,18 @@ class PipelineRunner(ModelRunner):
             tokens, logprobs = sampled
             both = jax.lax.psum(jnp.concatenate([tokens[..., None].astype(jnp.float32), logprobs], -1), "pp")
             sampled = both[..., 0].astype(jnp.int32), both[..., 1:]
-            return cache, carry[None], *sampled, None if counts is None else counts[None]
+            prompt = None if targets is None else jax.lax.psum(self._when(
+                (s == P - 1) & active, lambda: self._prompt_logprobs(head, x, targets, top, ctx),
+                ("batch", "seq", None), ctx), "pp")
+            return cache, carry[None], *sampled, prompt, None if counts is None else counts[None]
 
         fed = jnp.take_along_axis(state.sampled, jnp.maximum(batch.feed, 0), axis=1)   # as ModelRunner._step
         new = jnp.where(batch.feed >= 0, fed, batch.tokens)
-        cache, carry, tokens, logprobs, counts = self._stages(
-            stage, weights, state.cache, state.carry, new, batch.meta, batch.active, last,
-            in_specs=("pp", "pp", "", "pp", "pp", ""), out_specs=("pp", "pp", "", "", "pp"))
+        cache, carry, tokens, logprobs, prompt, counts = self._stages(
+            stage, weights, state.cache, state.carry, new, batch.meta, batch.active, last, batch.prompt_targets,
+            in_specs=("pp", "pp", "", "pp", "pp", "", ""), out_specs=("pp", "pp", "", "", "", "pp"))
         sampled = self.layout.constrain(state.sampled.at[:, : tokens.shape[1]].set(tokens), ("batch", None))
-        return (tokens, logprobs, counts), PipelineState(cache, carry, sampled)
+        return (tokens, logprobs, counts, prompt), PipelineState(cache, carry, sampled)
 
     def _score(self, weights: Weights, state: PipelineState, batch: StepBatch):
         """One microbatch through every stage within one call (a fill and drain): float32 logits [R, N, V]."""

@@ -2,7 +2,10 @@
 
 One jitted function per kind of step, compiled ahead of time once per bucket shape and kept:
 - "step": embed, every layer (writing K/V into the donated pool), the head on each sequence's last token,
-  padded vocabulary rows masked, then one token sampled per sequence on device;
+  padded vocabulary rows masked, then one token sampled per sequence on device; in a step where a request
+  asked for prompt log-probabilities (StepBatch.prompt_targets), also the head on every token and each
+  position's log-probability of the next prompt token (`_prompt_logprobs`): a program of its own, so the
+  steps nobody asks in are unchanged;
 - "score": the same forward with float32 logits of every token (LLM.logits), nothing sampled.
 The latest executable of each phase is kept for the collective report. The runner's `state` is what
 each step donates and gets back: here the KV pool and the latest sampled tokens (which the next step
@@ -43,7 +46,7 @@ from jaxinfer.distributed import to_host
 from jaxinfer.models import Model
 from jaxinfer.sampling import sample
 from jaxinfer.sharding import Layout
-from jaxinfer.step import StepBatch
+from jaxinfer.step import StepBatch, prompt_logprob_width
 
 # XLA:CPU's LLVM at -O2 rather than its default -O3: the 125M model's eight warm-up buckets compile in ~18%
 # less CPU time (one at a time: 29.5-30.8 -> 23.7-25.6 s on 2 cores), its steps run as fast and give the same
@@ -144,7 +147,7 @@ class ModelRunner:
         """The kind's function on the unpacked inputs, jitted under its bucket's name, "<kind>_<tokens>x<slots>"
         (its HLO module is "jit_<name>", which a profile shows), the state donated, the inputs' layout static."""
         shapes = inputs.tree.unflatten(inputs.shapes)
-        name = f"{kind}_{shapes.tokens[1]}x{shapes.logits_index[1]}"
+        name = f"{kind}_{shapes.tokens[1]}x{shapes.logits_index[1]}" + "_prompt" * (shapes.prompt_targets is not None)
         if name not in self._jitted:
             fn = {"step": self._step, "score": self._score}[kind]
 
@@ -223,6 +226,42 @@ class ModelRunner:
         return ctx.layout.shard_map(local, in_axes=((*rows, None), rows, rows), out_axes=(rows, (*rows, None)),
                                     check_vma=False)(logits, jax.tree.map(per_row, sampling), per_row(sample_positions))
 
+    def _prompt_logprobs(self, head: Any, x: jax.Array, targets: jax.Array, top: int, ctx: StepContext) -> jax.Array:
+        """The head on every token, and per token the log-softmax of its logits at `targets` (the next prompt
+        token; -1: a position nobody asked for, whose row means nothing), that token's rank among the vocabulary
+        and the `top` most likely: float32 [R, N, 2 + 2 * top] (jaxinfer.step.prompt_logprob_width), the
+        model's own distribution (no temperature or filters, as vLLM's prompt logprobs). The logits stay
+        split over the vocabulary (tp) and the tokens (sp): each rank reduces its slice and the ranks combine
+        [R, N] sums and maxima and their `top` candidates, so no rank holds the whole [R, N, V]."""
+        logits = ctx.constrain(self._real_vocab(self.model.head(head, x, ctx)), ("batch", "seq", "vocab"))
+        R, N, _ = logits.shape
+        axes = ctx.layout.mesh_axes("vocab")
+
+        def local(logits, targets):
+            v = logits.shape[-1]
+            ids = jnp.arange(v, dtype=jnp.int32) + (jax.lax.axis_index(axes) * v if axes else 0)
+            peak = _across(jax.lax.pmax, logits.max(-1), axes)
+            peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+            log_norm = jnp.log(_across(jax.lax.psum, jnp.exp(logits - peak[..., None]).sum(-1), axes))
+            own = _across(jax.lax.psum, jnp.where(ids == targets[..., None], logits, 0.0).sum(-1), axes)
+            rank = _across(jax.lax.psum, (logits >= own[..., None]).sum(-1, dtype=jnp.int32), axes)
+            out = [(own - peak - log_norm)[..., None], rank[..., None].astype(jnp.float32)]
+            if top:
+                values, at = jax.lax.top_k(logits, min(top, v))
+                at = ids[at]
+                if axes:   # every rank's candidates, then the best of them
+                    values = jax.lax.all_gather(values, axes, axis=2, tiled=True)
+                    at = jax.lax.all_gather(at, axes, axis=2, tiled=True)
+                    values, best = jax.lax.top_k(values, top)
+                    at = jnp.take_along_axis(at, best, axis=-1)
+                out += [at.astype(jnp.float32), values - peak[..., None] - log_norm[..., None]]  # ids < 2**24: exact
+            return jnp.concatenate(out, axis=-1)
+
+        out = ctx.layout.shard_map(local, in_axes=(("batch", "seq", "vocab"), ("batch", "seq")),
+                                   out_axes=("batch", "seq", None), check_vma=False)(logits, targets)
+        chex.assert_shape(out, (R, N, prompt_logprob_width(top)))
+        return out
+
     def _logits(self, head: Any, x: jax.Array, ctx: StepContext) -> jax.Array:
         """float32 logits [R, N, V] of every token."""
         logits = ctx.constrain(self.model.head(head, x, ctx), ("batch", "seq", "vocab"))
@@ -234,8 +273,10 @@ class ModelRunner:
         x, cache, counts, ctx = self._forward(weights, state.cache, batch)
         tokens, logprobs = self._sample(weights.head, x, batch.logits_index, batch.sample_positions,
                                         batch.sampling, ctx)
+        prompt = (None if batch.prompt_targets is None else
+                  self._prompt_logprobs(weights.head, x, batch.prompt_targets, batch.prompt_top, ctx))
         sampled = ctx.constrain(state.sampled.at[:, : tokens.shape[1]].set(tokens), ("batch", None))
-        return (tokens, logprobs, counts), RunnerState(cache, sampled)
+        return (tokens, logprobs, counts, prompt), RunnerState(cache, sampled)
 
     def _score(self, weights: Weights, state: RunnerState, batch: StepBatch):
         x, cache, _, ctx = self._forward(weights, state.cache, batch)
@@ -335,11 +376,17 @@ class ModelRunner:
         """Dispatch a step; `collect_step` its outputs."""
         return self.dispatch("step", batch, phase)
 
-    def collect_step(self, step: Dispatched) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    def collect_step(self, step: Dispatched) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
         """(sampled tokens [R, S], their log-probabilities [R, S, 1 + 2K], tokens routed to each expert
-        [MoE layers, R, X] or None)."""
+        [MoE layers, R, X] or None, prompt log-probabilities [R, N, 2 + 2K] in the step's token order (under sp
+        the ring's) or None where the step computed none)."""
         return self.collect(step)
 
     def score(self, batch: StepBatch) -> np.ndarray:
         """float32 logits [R, N, V] of every token of the batch."""
         return self.run("score", batch)
+
+
+def _across(reduce: Callable, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """reduce(x, axes) over the mesh axes that split the vocabulary, x itself where nothing splits it."""
+    return reduce(x, axes) if axes else x

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import EngineConfig
@@ -87,11 +88,16 @@ class Completion:
     prompt_token_ids: list[int]
     logprobs: list[dict[int, float]] | None = None  # per new token: {its id and the top ids: log-probability}
     stop_reason: int | str | None = None            # the stop token id or stop string that ended it (vLLM's)
+    # SamplingParams.prompt_logprobs: per prompt token, as `logprobs` (the first None: it has no context)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None    # each prompt token's rank in the vocabulary (1: most likely)
 
     @classmethod
     def of(cls, r: Request) -> Completion:
+        asked = r.params.prompt_logprobs is not None
         return cls(r.text, list(r.output), r.finish_reason, list(r.prompt),
-                   list(r.logprobs) if r.params.logprobs is not None else None, r.stop_reason)
+                   list(r.logprobs) if r.params.logprobs is not None else None, r.stop_reason,
+                   list(r.prompt_logprobs) if asked else None, list(r.prompt_ranks) if asked else None)
 
 
 class Engine:
@@ -109,12 +115,16 @@ class Engine:
         tp = layout.axis_size("kv_heads")
         self.kv_heads = cfg.num_kv_heads * kv_head_repeat(cfg, tp)      # after replication for tp
         self.stages = layout.axis_size("layers")                          # pp: pipeline stages
-        per_page = page_bytes(weights.stage_layers, self.kv_heads // tp, config.page_size, cfg.head_dim, dtype)
+        per_page = page_bytes(weights.stage_layers, self.kv_heads // tp, config.page_size, cfg.head_dim, dtype,
+                              config.kv_cache_dtype)                # quantized pages: their scales counted
         self.pages_per_replica = self.sp * pool_pages(config, device, device_bytes(weights, device), per_page,
                                                       cfg.context_length)
         replicas = layout.axis_size("batch")                              # dp x ep replicas
         cache = PagedKVCache.zeros(self.stages * weights.stage_layers, self.kv_heads,
-                                   replicas * self.pages_per_replica, config.page_size, cfg.head_dim, dtype, layout)
+                                   replicas * self.pages_per_replica, config.page_size, cfg.head_dim, dtype, layout,
+                                   config.kv_cache_dtype)
+        self.kv_cache_dtype = jnp.dtype(cache.k.dtype).name      # what the pages hold: the model's dtype, int8, ...
+        self.kv_bytes_per_token = per_page // config.page_size    # per device, all layers, scales included
         self.packer = packer = Packer(config.page_size, self.pages_per_replica, min(cfg.context_length, self.capacity),
                                       config.max_tokens_per_step, config.max_num_seqs, self.sp, self.stages)
         self.runner = (PipelineRunner if self.stages > 1 else ModelRunner)(
@@ -334,15 +344,20 @@ class Engine:
     def _hand_out(self, entry: InFlight) -> list[Request]:
         """Wait for a call's tokens and give them to their requests (stop checks, detokenizing, stream
         callbacks)."""
-        sampled, logprobs, counts = self.runner.collect_step(entry.call)
+        sampled, logprobs, counts, prompt = self.runner.collect_step(entry.call)
         t0 = time.perf_counter()
         if counts is not None:
             self.expert_load.record(counts.sum(axis=1))
+        if prompt is None:
+            prompt = [None] * len(sampled)
+        else:   # in token order (from the ring's, under sp)
+            prompt = prompt[:, np.argsort(ring_order(prompt.shape[1], self.sp))]
         self._stepping = True
         try:
-            finished = [] if entry.work is None else [r for sched, out, row, lp in zip(self.schedulers, entry.work,
-                                                                                       sampled, logprobs, strict=True)
-                                                      for r in sched.update(out, row, lp)]
+            finished = [] if entry.work is None else [
+                r for sched, out, row, lp, plp in zip(self.schedulers, entry.work, sampled, logprobs, prompt,
+                                                      strict=True)
+                for r in sched.update(out, row, lp, plp)]
         finally:
             self._stepping = False
         for r in finished:

@@ -43,7 +43,9 @@ HEARTBEAT_S = 1.0   # multi-host: an idle process 0 still broadcasts (an empty t
 class RequestStream:
     """One request's tokens as they are produced: iterate (or `async for`) for (token id, text delta);
     `result()` (or `await aresult()`) for the whole Completion. Leaving the iteration early aborts the
-    request. With logprobs requested, `logprobs[i]` is token i's entry, there before the token is."""
+    request. With logprobs requested, `logprobs[i]` is token i's entry, there before the token is; with
+    prompt_logprobs, `prompt_logprobs` and `prompt_ranks` are the prompt's (Completion's), there before the first
+    token is."""
 
     def __init__(self, loop: EngineLoop, request_id: str, aio: asyncio.AbstractEventLoop | None = None):
         self.id, self._loop, self._aio = request_id, loop, aio
@@ -51,6 +53,8 @@ class RequestStream:
         self.completion: Completion | None = None
         self.error: BaseException | None = None
         self.logprobs: list[dict[int, float]] = []
+        self.prompt_logprobs: list[dict[int, float] | None] = []
+        self.prompt_ranks: list[int | None] = []
 
     def __iter__(self) -> Iterator[tuple[int, str]]:
         if self._aio is not None:
@@ -104,6 +108,8 @@ class RequestStream:
     def _token(self, r: Request, token: int, delta: str) -> None:
         if r.params.logprobs is not None:
             self.logprobs.append(r.logprobs[-1])
+        if r.params.prompt_logprobs is not None and not self.prompt_logprobs:   # the prompt's, complete by now
+            self.prompt_logprobs, self.prompt_ranks = list(r.prompt_logprobs), list(r.prompt_ranks)
         self._put((token, delta))
 
     def _end(self, r: Request | None, error: BaseException | None = None) -> None:

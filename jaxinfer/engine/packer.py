@@ -74,6 +74,7 @@ def pack(outputs: list[SchedulerOutput], page_size: int, pool_pages: int, width:
     query_start, num_seqs = np.zeros((R, S + 1), np.int32), np.zeros(R, np.int32)
     token_seq, feed = np.full((R, N), -1, np.int32), np.full((R, N), -1, np.int32)
     sampling, logprobs = SamplingArrays.padding(R * S), False
+    targets, prompt_top = None, 0    # prompt log-probabilities: only where a sequence asks (prompt_targets)
     for i, out in enumerate(outputs):
         t = 0
         for s, seq in enumerate(out.sequences):
@@ -89,6 +90,10 @@ def pack(outputs: list[SchedulerOutput], page_size: int, pool_pages: int, width:
                 feed[i, t + n - 1] = seq.feed
                 sampling.put(i * S + s, seq.params, seq.seed)
                 logprobs |= bool(seq.params.logprobs)
+                if seq.prompt_targets is not None:
+                    targets = np.full((R, N), -1, np.int32) if targets is None else targets
+                    targets[i, t: t + n] = seq.prompt_targets
+                    prompt_top = max(prompt_top, MAX_LOGPROBS if seq.params.prompt_logprobs else 0)
                 end = seq.end
             except Exception as e:
                 if failures is None:
@@ -97,6 +102,8 @@ def pack(outputs: list[SchedulerOutput], page_size: int, pool_pages: int, width:
                 pos, end = np.arange(n), n
                 tokens[i, t: t + n], slots[i, t: t + n], page_table[i, s], feed[i, t + n - 1] = 0, sentinel, 0, -1
                 sampling.put(i * S + s, GREEDY, 0)
+                if targets is not None:
+                    targets[i, t: t + n] = -1
             positions[i, t: t + n] = pos
             token_seq[i, t: t + n] = s
             seq_lens[i, s] = end
@@ -107,11 +114,12 @@ def pack(outputs: list[SchedulerOutput], page_size: int, pool_pages: int, width:
         num_seqs[i] = len(out.sequences)
     order = ring_order(N, sp)
     tokens, positions, slots, token_seq, feed = (a[:, order] for a in (tokens, positions, slots, token_seq, feed))
+    targets = None if targets is None else targets[:, order]
     logits_index = np.argsort(order).astype(np.int32)[logits_index]
     ring = sp > 1 and any(o.prefill for o in outputs)
     meta = StepMetadata(positions, slots, page_table, seq_lens, query_start, num_seqs, token_seq, ring)
     sampling = sampling.replace(top_logprobs=MAX_LOGPROBS if logprobs else 0)
-    return StepBatch(tokens, logits_index, seq_lens.reshape(-1), sampling, meta, feed)
+    return StepBatch(tokens, logits_index, seq_lens.reshape(-1), sampling, meta, feed, targets, prompt_top)
 
 
 Microbatch = list[SchedulerOutput] | None  # one output per replica; None where nothing was ever scheduled
@@ -169,4 +177,4 @@ class Packer:
         first, last = batches[0], batches[-1]
         active = np.array([has_work(mb) for mb in stages])
         return PipelineBatch(first.tokens, first.feed, meta, active, last.logits_index, last.sample_positions,
-                             last.sampling)
+                             last.sampling, last.prompt_targets, last.prompt_top)

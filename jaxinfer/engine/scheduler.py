@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Sequence
 
@@ -70,6 +71,14 @@ class Request:
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     token_times: list[float] = dataclasses.field(default_factory=list)
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)  # where params.logprobs is set
+    # where params.prompt_logprobs is set: per prompt token so far (the first None: it has no context), as
+    # `logprobs`, and its rank in the vocabulary (1: the most likely)
+    prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(default_factory=list)
+    prompt_ranks: list[int | None] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_ranks = [None], [None]
 
     @property
     def tokens(self) -> list[int]:
@@ -100,6 +109,39 @@ class Request:
     def may_continue(self) -> bool:
         """Its tokens in flight may leave room for more: its length limit is not reached by them."""
         return len(self.output) + self.unseen < self.budget
+
+    @property
+    def prompt_logprobs_pending(self) -> int:
+        """Prompt tokens whose log-probabilities were asked for and are not in yet."""
+        return len(self.prompt) - len(self.prompt_logprobs) if self.params.prompt_logprobs is not None else 0
+
+    def prompt_targets(self, start: int, n: int) -> np.ndarray | None:
+        """For its tokens start .. start + n of a step: the prompt token whose log-probability each position's
+        logits give, where it is asked for and not in yet (-1 elsewhere); None where no position is."""
+        if self.params.prompt_logprobs is None:
+            return None
+        first = max(start, len(self.prompt_logprobs) - 1)          # the first position whose entry is not in
+        last = min(start + n, len(self.prompt) - 1)                # the last prompt token has no next one
+        if first >= last:
+            return None
+        targets = np.full(n, -1, np.int32)
+        targets[first - start: last - start] = self.prompt[first + 1: last + 1]
+        return targets
+
+    def add_prompt_logprobs(self, start: int, targets: np.ndarray, rows: np.ndarray) -> None:
+        """The prompt log-probabilities of a step that computed its tokens start..: rows[j] (the next prompt token's
+        log-probability, its rank, K ids, K values) for each position j with a target, entry start + j + 1."""
+        k = (rows.shape[-1] - 2) // 2
+        for j in np.flatnonzero(targets >= 0).tolist():
+            token, row = int(targets[j]), rows[j]
+            top = zip(row[2: 2 + k][: self.params.prompt_logprobs], row[2 + k:][: self.params.prompt_logprobs],
+                      strict=True)
+            entry = {token: float(row[0]), **{int(i): float(v) for i, v in top if int(i) != token}}
+            if start + j + 1 != len(self.prompt_logprobs):   # steps come back in order, each asked only once
+                raise RuntimeError(f"prompt log-probability {start + j + 1} came back after "
+                                   f"{len(self.prompt_logprobs) - 1}")
+            self.prompt_logprobs.append(entry)
+            self.prompt_ranks.append(int(row[1]))
 
     def add_token(self, token: int, logprobs: Sequence[float] | None = None) -> None:
         """Append a sampled token (with its log-probabilities from the sampler: its own, then K ids and K
@@ -139,6 +181,8 @@ class ScheduledSequence:
     samples: bool                # these tokens reach the end of what is known: sample the next one
     prefill: bool                # prompt (or recomputed) tokens, not a plain decode step
     feed: int = -1               # overlap: the last token is the one the previous step sampled at this index
+    prompt_targets: np.ndarray | None = None  # int32 per token: the next prompt token whose log-probability its
+                                 # logits give (Request.prompt_targets), -1 where not asked; None: none asked
 
     @property
     def end(self) -> int:
@@ -249,20 +293,29 @@ class Scheduler:
         return r.pending
 
     def update(self, output: SchedulerOutput, sampled: Sequence[int],
-               logprobs: Sequence[Sequence[float]] | None = None) -> list[Request]:
+               logprobs: Sequence[Sequence[float]] | None = None,
+               prompt_logprobs: np.ndarray | None = None) -> list[Request]:
         """After the device step that completed `output` (the oldest one not yet updated): its tokens are in
         the cache, and each sequence that sampled gets its token (sampled[i] for output.sequences[i], with
-        its log-probabilities logprobs[i]). Requests aborted meanwhile are skipped. Returns the requests
-        that finished."""
+        its log-probabilities logprobs[i]). prompt_logprobs: the step's [tokens, 2 + 2K] in token order, where
+        it computed them (a sequence's rows follow the sequences before it), its requests' prompt entries
+        taken in before their tokens. Requests aborted meanwhile are skipped. Returns the requests that
+        finished."""
         finished = []
         if not output:
             return finished
         rows = logprobs if logprobs is not None else [None] * len(output.sequences)
-        for r, seq, token, lp in zip(self._in_flight.popleft(), output.sequences, sampled, rows, strict=False):
+        offsets = (itertools.accumulate((len(seq.token_ids) for seq in output.sequences), initial=0)
+                   if prompt_logprobs is not None else itertools.repeat(0))    # where each sequence's rows start
+        for r, seq, token, lp, at in zip(self._in_flight.popleft(), output.sequences, sampled, rows, offsets,
+                                         strict=False):
             if r.finish_reason is not None:
                 continue
             try:
                 self._computed(r, len(seq.token_ids))
+                if seq.prompt_targets is not None and prompt_logprobs is not None:
+                    r.add_prompt_logprobs(seq.start, seq.prompt_targets,
+                                          prompt_logprobs[at: at + len(seq.token_ids)])
                 if seq.samples:
                     r.unseen -= 1
                     r.add_token(int(token), lp)
@@ -318,14 +371,19 @@ class Scheduler:
             r.unseen += 1
             r.sampled_at = (self.calls, index)
         return ScheduledSequence(r.id, known, start, r.pages, r.params, r.seed, samples=samples,
-                                 prefill=feed < 0 and (n > 1 or not r.output), feed=feed)
+                                 prefill=feed < 0 and (n > 1 or not r.output), feed=feed,
+                                 prompt_targets=r.prompt_targets(start, n))
 
     def _lookup_prefix(self, r: Request) -> None:
-        """(Re)admission: take the pages the prefix cache holds for r's tokens, never its last token."""
+        """(Re)admission: take the pages the prefix cache holds for r's tokens, never its last token, nor (as vLLM)
+        a position whose prompt log-probabilities it still needs: those come from the logits of its own step, so
+        it computes them, and their K/V with them (its pages are offered to the cache as any request's)."""
         if len(r.pages):
             return
         P = self.pool.page_size
         full = (len(r.tokens) - 1) // P
+        if r.prompt_logprobs_pending:
+            full = min(full, (len(r.prompt_logprobs) - 1) // P)   # positions before the first entry not in
         hashes = page_hashes(r.tokens[: full * P], P)
         r.pages = np.asarray(self.pool.lookup(hashes), np.int32)
         r.hashes = hashes[: len(r.pages)]

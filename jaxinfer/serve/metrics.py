@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import jax.numpy as jnp
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from jaxinfer.engine.loop import EngineLoop
 from jaxinfer.engine.scheduler import Request
+from jaxinfer.quant import weight_quantization
 
 # vLLM's buckets (seconds)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -91,6 +93,8 @@ class EngineCollector(Collector):
             g = GaugeMetricFamily(f"jaxinfer:{name}", doc, labels=["model_name"])
             g.add_metric([self.model_name], value)
             yield g
+        yield self.cache_config(total, page)
+        yield self.model_config()
         for name, doc, value in [
             ("num_preemptions", "Requests evicted for lack of KV pages.", sum(s.preemptions for s in schedulers)),
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (full pages).",
@@ -100,3 +104,25 @@ class EngineCollector(Collector):
             c = CounterMetricFamily(f"jaxinfer:{name}", doc, labels=["model_name"])
             c.add_metric([self.model_name], value)
             yield c
+
+    def cache_config(self, pages: int, page_size: int) -> Metric:
+        """The KV pool's make-up as labels of a constant 1 (vLLM's cache_config_info): what the pages hold
+        (the model's dtype, int8 or float8_e4m3fn with scales), their size, their number, bytes per token."""
+        engine = self.loop.engine
+        labels = {"kv_cache_dtype": engine.kv_cache_dtype, "page_size": str(page_size), "num_pages": str(pages),
+                  "kv_bytes_per_token_per_device": str(engine.kv_bytes_per_token)}
+        g = GaugeMetricFamily("jaxinfer:cache_config_info", "The KV cache's configuration (labels); always 1.",
+                              labels=["model_name", *labels])
+        g.add_metric([self.model_name, *labels.values()], 1)
+        return g
+
+    def model_config(self) -> Metric:
+        """The weights' make-up as labels of a constant 1: the serving dtype and the matmul weights'
+        quantization ("int8", "fp8" or "none")."""
+        engine = self.loop.engine
+        labels = {"dtype": jnp.dtype(engine.dtype).name,
+                  "quantization": weight_quantization(engine.runner.weights) or "none"}
+        g = GaugeMetricFamily("jaxinfer:model_config_info", "The weights' configuration (labels); always 1.",
+                              labels=["model_name", *labels])
+        g.add_metric([self.model_name, *labels.values()], 1)
+        return g

@@ -9,9 +9,9 @@ and 500 (an OpenAI body) for a request that failed inside the engine.
 Fields: integers must be JSON integers (not 3.0, "3" or true) and floats finite, each bounded where it reaches
 the engine. A field this server does not implement is refused with a 400 naming it, not ignored: the request
 models forbid unknown fields, so a typo (`max_token`) is refused rather than answered with a default, and so
-are `tool_choice` (other than "none"), `functions`, `guided_json`, `min_tokens`, `prompt_logprobs`... A few
-OpenAI fields that do not change the output are accepted and ignored (`IGNORED`), and an unknown field set to
-null counts as absent.
+are `tool_choice` (other than "none"), `functions`, `guided_json`, `min_tokens`, `suffix`, penalties,
+`logit_bias`... A few OpenAI fields that do not change the output are accepted and ignored (`IGNORED`), and an
+unknown field set to null counts as absent.
 
 Log-probabilities are vLLM's: those of the distribution each token was drawn from, after temperature and
 the top-k/top-p/min-p filters (a filtered-out token has -inf, reported -9999.0); the model's own for greedy
@@ -20,6 +20,14 @@ position's tokens decode to the same text (byte fragments all decode to "\ufffd"
 text and the other is keyed `token_id:N`, vLLM's spelling of token N, so no alternative is lost. A token whose
 own text looks like `token_id:N` is keyed by its id too, so such a key always means token N. vLLM's
 `return_tokens_as_token_ids` spells every token (tokens, keys, chat `token`) `token_id:N`.
+
+Prompt log-probabilities (lm-evaluation-harness's loglikelihood requests) are the model's own distribution at
+each prompt position, computed in the prompt's own prefill step (SamplingParams.prompt_logprobs). A completion
+with `echo` and `logprobs: k` shows the prompt then the completion, in its text and in its logprobs (the first
+prompt token's `token_logprobs` and `top_logprobs` entries null, as OpenAI's); `max_tokens: 0` with `echo`
+returns the prompt alone (a token is drawn and dropped, as vLLM does). vLLM's `prompt_logprobs: k` (both
+endpoints, not streamed) gives its list: None, then per prompt token {"token id": {"logprob", "rank",
+"decoded_token"}} for the token and the k most likely, on each completion choice and on the chat response.
 """
 
 from __future__ import annotations
@@ -138,6 +146,7 @@ class _Sampling(_Strict):
     best_of: int | None = None
     logit_bias: dict[str, float] | None = None
     truncate_prompt_tokens: int | None = None    # vLLM's: keep the prompt's last k tokens (-1: the context limit)
+    prompt_logprobs: int | None = None           # vLLM's: per prompt token, its log-probability and the k likeliest
     return_tokens_as_token_ids: bool = False     # vLLM's: logprobs spell tokens `token_id:N`
     # IGNORED
     user: str | None = None
@@ -149,9 +158,10 @@ class _Sampling(_Strict):
     safety_identifier: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max: int,
-                        names: dict[str, str] | None = None) -> SamplingParams:
+                        names: dict[str, str] | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's parameters; `names` renames SamplingParams fields to the request's in error messages
         (max_tokens given as max_completion_tokens, say)."""
+        self.check_prompt_logprobs()
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0):
                 raise APIError(f"{name} is not supported by this server", param=name)
@@ -169,7 +179,7 @@ class _Sampling(_Strict):
                       top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
                       min_p=self.min_p or 0.0, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                       ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
-                      logprobs=logprobs)
+                      logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         try:
             return SamplingParams(**fields)
         except ValueError as e:
@@ -178,6 +188,15 @@ class _Sampling(_Strict):
                 raise APIError(str(e)) from None
             shown = (names or {}).get(name, name)
             raise APIError(shown + str(e)[len(name):], param=shown) from None
+
+    def check_prompt_logprobs(self) -> None:
+        """vLLM's bounds on prompt_logprobs, but for -1 (the whole vocabulary), which is not implemented."""
+        k = self.prompt_logprobs
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise APIError(f"prompt_logprobs={k} must be an integer in [0, {MAX_LOGPROBS}]"
+                           + " (-1, the whole vocabulary, is not supported)" * (k == -1), param="prompt_logprobs")
+        if k is not None and self.stream:
+            raise APIError("prompt_logprobs are not available with stream=true", param="prompt_logprobs")
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -262,21 +281,33 @@ class OpenAIServing:
                            param="tokens")
         return {"prompt": self._tokenizer().decode(req.tokens)}
 
+    def tokenizer_info(self) -> dict:
+        """vLLM's /tokenizer_info: the tokenizer's config and chat template (jaxinfer.tokenizer.Tokenizer.info)."""
+        if self.llm.tokenizer is None:
+            raise APIError(f"{self.llm.source} has no tokenizer.json, so no tokenizer to describe", 404)
+        return self.llm.tokenizer.info()
+
     # ---- generation ------------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
-        """The response body, or (stream=True) an iterator of server-sent event lines."""
+        """The response body, or (stream=True) an iterator of server-sent event lines. With echo, the text (and the
+        logprobs, if asked) cover the prompt, then the completion; max_tokens 0 with echo, the prompt alone."""
         self._check_model(req.model)
         req.check_stream_options()
         if req.suffix:
             raise APIError("suffix is not supported by this server", param="suffix")
-        if req.echo and req.logprobs is not None:
-            raise APIError("echo with logprobs (prompt log-probabilities) is not supported", param="echo")
+        echo_only = req.max_tokens == 0
+        if echo_only and not req.echo:
+            raise APIError("max_tokens=0 needs echo=true (it returns the prompt alone, with its logprobs if asked)",
+                           param="max_tokens")
         prompts = [self._truncate(p, req.truncate_prompt_tokens) for p in self._prompts(req.prompt)]
         for p in prompts:
             self._check_prompt(p)
         default = min(16, *(self.llm.engine.room(len(p)) for p in prompts))
-        params = req.sampling_params(req.max_tokens, req.logprobs, default_max=default)
-        self._check_lengths(prompts, params, req.max_tokens, "max_tokens")
+        max_tokens = 1 if echo_only else req.max_tokens        # the prompt's step draws a token anyway
+        asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+        params = req.sampling_params(max_tokens, req.logprobs, default_max=default,
+                                     prompt_logprobs=max(asked) if asked else None)
+        self._check_lengths(prompts, params, max_tokens, "max_tokens")
         echo = [self._tokenizer().decode(p) if req.echo else "" for p in prompts]
         streams = self._submit(prompts, params, req.n)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -287,15 +318,25 @@ class OpenAIServing:
                     "choices": choices}
 
         def choice(i: int, text: str, token_ids: list[int], logprobs: list[dict] | None, finish: str | None,
-                   stop_reason: int | str | None = None) -> dict:
+                   stop_reason: int | str | None = None, prompt: list[dict | None] | None = None) -> dict:
+            """Choice i showing these new tokens and, where `prompt` (its prompt log-probabilities) is given, its
+            echoed prompt before them."""
+            if echo_only:
+                text, token_ids, logprobs = "", [], []
+            if prompt is not None:
+                ids = prompts[i // req.n]
+                prompt = prompt + [None] * (len(ids) - len(prompt))   # an aborted prompt's may be cut short
+                text, token_ids, logprobs = echo[i // req.n] + text, ids + token_ids, prompt + (logprobs or [])
             lp = None if req.logprobs is None else self._completion_logprobs(token_ids, logprobs, req.logprobs, as_ids)
             return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish, "stop_reason": stop_reason}
 
         if not req.stream:
             done = await _results(streams)
-            choices = [choice(i, echo[i // req.n] + c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)
-                       for i, c in enumerate(done)]
-            return head(choices) | {"usage": _usage(prompts, done)}
+            choices = [choice(i, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason,
+                              (c.prompt_logprobs or []) if req.echo else None)
+                       | self._prompt_logprobs(c, req.prompt_logprobs) for i, c in enumerate(done)]
+            shown = [dataclasses.replace(c, token_ids=[]) if echo_only else c for c in done]
+            return head(choices) | {"usage": _usage(prompts, shown)}
 
         async def events() -> AsyncIterator[str]:
             async for i, token, delta, finished in _merged(streams):
@@ -303,10 +344,12 @@ class OpenAIServing:
                 if token is None:
                     yield sse(head([choice(i, "", [], [], finished.finish_reason, finished.stop_reason)]))
                     continue
-                text = (echo[i // req.n] if s.seen == 1 else "") + delta
-                yield sse(head([choice(i, text, [token], s.logprobs[s.seen - 1:s.seen], None)]))
+                prompt = (s.stream.prompt_logprobs or []) if req.echo and s.seen == 1 else None
+                yield sse(head([choice(i, delta, [token], s.logprobs[s.seen - 1:s.seen], None, prompt=prompt)]))
             if req.include_usage:
-                yield sse(head([]) | {"usage": _usage(prompts, [s.completion for s in streams])})
+                done = [s.completion for s in streams]
+                shown = [dataclasses.replace(c, token_ids=[]) if echo_only else c for c in done]
+                yield sse(head([]) | {"usage": _usage(prompts, shown)})
             yield "data: [DONE]\n\n"
         return events()
 
@@ -334,7 +377,8 @@ class OpenAIServing:
         max_tokens = getattr(req, name)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = req.sampling_params(max_tokens, logprobs, default_max=self.llm.engine.room(len(prompt)),
-                                     names={"max_tokens": name, "logprobs": "top_logprobs"})
+                                     names={"max_tokens": name, "logprobs": "top_logprobs"},
+                                     prompt_logprobs=req.prompt_logprobs)
         self._check_lengths([prompt], params, max_tokens, name)
         streams = self._submit([prompt], params, req.n)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -352,7 +396,9 @@ class OpenAIServing:
             choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
                         "logprobs": lp(c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason} for i, c in enumerate(done)]
-            return head("chat.completion", choices) | {"usage": _usage([prompt], done)}
+            # vLLM's prompt_logprobs on the response (one prompt for every choice), after the choices
+            return (head("chat.completion", choices) | self._prompt_logprobs(done[0], req.prompt_logprobs)
+                    | {"usage": _usage([prompt], done)})
 
         async def events() -> AsyncIterator[str]:
             chunk = "chat.completion.chunk"
@@ -486,13 +532,33 @@ class OpenAIServing:
             out[key] = _finite(v)
         return out
 
-    def _completion_logprobs(self, token_ids: list[int], entries: list[dict], k: int, as_ids: bool = False) -> dict:
+    def _completion_logprobs(self, token_ids: list[int], entries: list[dict | None], k: int,
+                             as_ids: bool = False) -> dict:
+        """OpenAI's legacy logprobs of these tokens; a None entry (the first prompt token's) shows null."""
         texts = [self._token_text(t) for t in token_ids]
         offsets = [sum(map(len, texts[:i])) for i in range(len(texts))]
         return {"tokens": [self._token_text(t, True) for t in token_ids] if as_ids else texts,
-                "token_logprobs": [_finite(e[t]) for t, e in zip(token_ids, entries, strict=True)],
-                "top_logprobs": [self._top_texts(self._top(e, k), as_ids) for e in entries],
+                "token_logprobs": [None if e is None else _finite(e[t])
+                                   for t, e in zip(token_ids, entries, strict=True)],
+                "top_logprobs": [None if e is None else self._top_texts(self._top(e, k), as_ids) for e in entries],
                 "text_offset": offsets}
+
+    def _prompt_logprobs(self, c: Completion, k: int | None) -> dict:
+        """vLLM's `prompt_logprobs` field where asked for (k), else nothing: None for the first prompt token, then
+        per token {"id": {"logprob", "rank", "decoded_token"}}, the token itself first, then the k most likely
+        (rank 1..k; the token among them takes its place there, as in vLLM)."""
+        if k is None:
+            return {}
+
+        def item(token: int, value: float, rank: int) -> dict:
+            return {"logprob": _finite(value), "rank": rank, "decoded_token": self._token_text(token)}
+
+        out: list[dict | None] = [None]
+        for t, entry, rank in zip(c.prompt_token_ids[1:], c.prompt_logprobs[1:], c.prompt_ranks[1:], strict=False):
+            position = {str(t): item(t, entry[t], rank)}
+            position.update((str(i), item(i, v, r)) for r, (i, v) in enumerate(self._top(entry, k), 1))
+            out.append(position)
+        return {"prompt_logprobs": out}
 
     def _chat_logprobs(self, token_ids: list[int], entries: list[dict], k: int, as_ids: bool = False) -> dict:
         def item(t: int, v: float) -> dict:

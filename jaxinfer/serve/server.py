@@ -4,15 +4,15 @@
     python -m jaxinfer.serve --mesh tp=8 --model /ckpt/Llama-3.1-8B-Instruct --port 8080 --api-key KEY
 
 Endpoints: POST /v1/completions and /v1/chat/completions (streamed as server-sent events with
-"stream": true), GET /v1/models, GET /health, POST /tokenize and /detokenize, GET /version, GET /metrics
-(Prometheus). With --api-key (or JAXINFER_API_KEY), /v1/*, /tokenize and /detokenize need
-"Authorization: Bearer KEY" (the scheme in any case). Every error is an OpenAI error body: 400 for a bad
-request (jaxinfer.serve.openai_api), 401, 404 for an unknown route or model, 405, 413 for a body over
---max-request-bytes, 500 for a request that failed inside the engine, 503 once the engine is dead (/health
-too). SIGTERM or Ctrl-C: the server stops taking requests, lets those in flight finish for --grace-period
-seconds, then aborts the rest, which end normally with finish_reason "abort" (a stream's last chunk, or a
-200 body with the tokens so far), and exits 0. Multi-host: every process runs this command; process 0
-serves HTTP and the others follow its engine loop.
+"stream": true), GET /v1/models, GET /health, POST /tokenize and /detokenize, GET /tokenizer_info (vLLM's: the
+tokenizer's config and chat template), GET /version, GET /metrics (Prometheus). With --api-key (or
+JAXINFER_API_KEY), /v1/*, /tokenize, /detokenize and /tokenizer_info need "Authorization: Bearer KEY" (the
+scheme in any case). Every error is an OpenAI error body: 400 for a bad request (jaxinfer.serve.openai_api),
+401, 404 for an unknown route or model, 405, 413 for a body over --max-request-bytes, 500 for a request that
+failed inside the engine, 503 once the engine is dead (/health too). SIGTERM or Ctrl-C: the server stops taking
+requests, lets those in flight finish for --grace-period seconds, then aborts the rest, which end normally with
+finish_reason "abort" (a stream's last chunk, or a 200 body with the tokens so far), and exits 0. Multi-host:
+every process runs this command; process 0 serves HTTP and the others follow its engine loop.
 """
 
 import argparse
@@ -73,7 +73,7 @@ def build_app(llm, model_name: str, api_key: str | None = None, max_request_byte
     serving, metrics = OpenAIServing(llm, model_name), Metrics(llm.loop, model_name)
     app = FastAPI(title="jaxinfer", version=jaxinfer.__version__)
     app.state.serving, app.state.metrics = serving, metrics
-    guarded = ("/v1/", "/tokenize", "/detokenize")
+    guarded = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")
     key = api_key.encode() if api_key else None
 
     class ErrorResponse(JSONResponse):
@@ -140,6 +140,10 @@ def build_app(llm, model_name: str, api_key: str | None = None, max_request_byte
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         return serving.detokenize(body)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        return serving.tokenizer_info()
 
     @app.get("/health")
     async def health() -> Response:

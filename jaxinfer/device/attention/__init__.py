@@ -9,6 +9,8 @@ All run per device (paged.py); RoPE and the cache writes are the references' und
 their own under "pallas", and part of the attention kernel's one call per layer under "cpu".
 Under sequence parallel (sp > 1) attention is ring.py's: ring attention for prefill and decode over KV
 pages sharded across sp, on the jnp partial-attention reference.
+Every backend serves quantized pages too (EngineConfig.kv_cache_dtype int8 / fp8; jaxinfer/device/kv_cache.py):
+K and V quantized where they are written, dequantized inside attention where the pages are read.
 """
 
 from __future__ import annotations

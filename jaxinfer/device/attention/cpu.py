@@ -7,85 +7,46 @@ block of its query tokens and kv head, on XLA's intra-op threads when the step i
 calls it as `rope_write_attend`: RoPE, the K/V writes and attention in one call per layer, the pools
 updated in place.
 
-It is compiled on first use with the host's C++ compiler (`$CXX`, else `c++`) against the FFI headers of
-the jaxlib that runs it, for this machine's instruction set, and kept in $JAXINFER_CACHE/kernels under a
-digest of all three: a pip install needs no compiler, and where none works the engine keeps the jnp
+It is compiled on first use (jaxinfer/device/native.py: the host's C++ compiler, kept in
+$JAXINFER_CACHE/kernels): a pip install needs no compiler, and where none works the engine keeps the jnp
 reference (`available()` says why).
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import shlex
-import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from jaxinfer.config import cache_dir
+from jaxinfer.device import native
+from jaxinfer.pallas_kernels.kv_quant import is_quantized
 from jaxinfer.pallas_kernels.rope_cache import cos_sin
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.cc")
-TARGETS = {"jaxinfer_ragged_paged_attention": "RaggedPagedAttention", "jaxinfer_rope_write_attend": "RopeWriteAttend"}
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp-simd", "-shared", "-fPIC")
+TARGETS = {"jaxinfer_ragged_paged_attention": "RaggedPagedAttention", "jaxinfer_rope_write_attend": "RopeWriteAttend",
+           # int8 / float8_e4m3fn pages with their bf16 scales (pallas_kernels/kv_quant.py)
+           "jaxinfer_ragged_paged_attention_quantized": "RaggedPagedAttentionQuantized",
+           "jaxinfer_rope_write_attend_quantized": "RopeWriteAttendQuantized"}
+FLAGS = native.FLAGS
 DTYPES = ("float32", "bfloat16", "float16")
 
-log = logging.getLogger(__name__)
-
-
-class BuildError(RuntimeError):
-    """The kernel could not be compiled or loaded on this machine."""
-
-
-def _compiler() -> list[str]:
-    return shlex.split(os.environ.get("CXX", "c++"))
+BuildError = native.BuildError
 
 
 def library_path() -> Path:
     """Where the built kernel lives: one file per source, compiler, jaxlib and host CPU."""
-    from jaxinfer.device.compilation_cache import host_cpu
-
-    digest = hashlib.sha256(repr((SOURCE.read_bytes(), _compiler(), FLAGS, jax.ffi.include_dir(),
-                                  jax.__version__, host_cpu())).encode()).hexdigest()[:16]
-    return cache_dir() / "kernels" / f"paged_attention_cpu-{digest}.so"
+    return native.library_path(SOURCE, FLAGS)
 
 
 def build() -> Path:
     """Compiles the kernel unless this machine already has it (atomically: concurrent builds are harmless)."""
-    lib = library_path()
-    if lib.exists():
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        out = Path(tmp) / lib.name
-        cmd = [*_compiler(), *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise BuildError(f"{shlex.join(cmd)}: {e}") from e
-        if done.returncode != 0:
-            raise BuildError(f"{shlex.join(cmd)} failed:\n{done.stderr[-2000:]}")
-        os.replace(out, lib)
-    return lib
+    return native.build(SOURCE, FLAGS)
 
 
-@functools.cache
 def _register() -> str | None:
     """Builds, loads and registers the kernel once per process; the reason it cannot, or None."""
-    try:
-        library = ctypes.cdll.LoadLibrary(str(build()))
-        for target, symbol in TARGETS.items():
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
-    except (BuildError, OSError, AttributeError) as e:
-        log.warning("the cpu attention kernel is unavailable, using the jnp reference: %s", e)
-        return str(e)
-    return None
+    return native.register(SOURCE, TARGETS, FLAGS)
 
 
 def available() -> bool:
@@ -98,31 +59,45 @@ def unavailable_reason() -> str | None:
 
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
                            page_table: jax.Array, seq_lens: jax.Array, query_start: jax.Array,
-                           num_seqs: jax.Array, *, sm_scale: float) -> jax.Array:
-    """The contract of `ragged_paged_attention_reference` (without return_lse), on one CPU device."""
+                           num_seqs: jax.Array, *, sm_scale: float, k_scales: jax.Array | None = None,
+                           v_scales: jax.Array | None = None) -> jax.Array:
+    """The contract of `ragged_paged_attention_reference` (without return_lse), on one CPU device; quantized
+    pages (int8, float8_e4m3fn) with their scales."""
+    scales = _scales(k_pages, k_scales, v_scales)
     if reason := _register():
         raise BuildError(reason)
-    call = jax.ffi.ffi_call("jaxinfer_ragged_paged_attention", jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(q, k_pages, v_pages, *map(_i32, (layer, page_table, seq_lens, query_start, num_seqs)),
+    target = "jaxinfer_ragged_paged_attention" + ("_quantized" if scales else "")
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return call(q, k_pages, v_pages, *scales, *map(_i32, (layer, page_table, seq_lens, query_start, num_seqs)),
                 sm_scale=np.float32(sm_scale))
 
 
 def rope_write_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                       layer: jax.Array, positions: jax.Array, slots: jax.Array, inv_freq: jax.Array,
                       page_table: jax.Array, seq_lens: jax.Array, query_start: jax.Array, num_seqs: jax.Array, *,
-                      sm_scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+                      sm_scale: float, k_scales: jax.Array | None = None,
+                      v_scales: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """A layer's attention in one call on one CPU device: `rope_and_write_reference` (q, k unrotated), then
-    `ragged_paged_attention_reference` over the written pools -> (out, k_pages, v_pages). The pools are
-    aliased to the results, so a pool the caller no longer holds (donated, or a loop's carry) is written
-    in place."""
+    `ragged_paged_attention_reference` over the written pools -> (out, k_pages, v_pages), and the scales after
+    them for quantized pages (k and v quantized as they are written). The pools (and scales) are aliased to the
+    results, so a pool the caller no longer holds (donated, or a loop's carry) is written in place."""
+    pools = (k_pages, v_pages, *_scales(k_pages, k_scales, v_scales))
     if reason := _register():
         raise BuildError(reason)
-    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-               jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype))
-    call = jax.ffi.ffi_call("jaxinfer_rope_write_attend", results, input_output_aliases={3: 1, 4: 2})
+    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in pools))
+    target = "jaxinfer_rope_write_attend" + ("_quantized" if len(pools) == 4 else "")
+    call = jax.ffi.ffi_call(target, results, input_output_aliases={3 + i: 1 + i for i in range(len(pools))})
     cos, sin = cos_sin(positions, inv_freq)   # XLA's cos and sin, vectorized (the reference's own)
-    return call(q, k, v, k_pages, v_pages, _i32(layer), _i32(slots), cos, sin,
+    return call(q, k, v, *pools, _i32(layer), _i32(slots), cos, sin,
                 *map(_i32, (page_table, seq_lens, query_start, num_seqs)), sm_scale=np.float32(sm_scale))
+
+
+def _scales(k_pages: jax.Array, k_scales: jax.Array | None, v_scales: jax.Array | None) -> tuple[jax.Array, ...]:
+    """The scales operands: both for quantized pages, none otherwise; a mismatch is refused before any call."""
+    if (k_scales is None) != (v_scales is None) or (k_scales is not None) != is_quantized(k_pages.dtype):
+        raise ValueError(f"pages of {k_pages.dtype} {'need' if is_quantized(k_pages.dtype) else 'take no'} "
+                         f"k_scales and v_scales")
+    return () if k_scales is None else (k_scales, v_scales)
 
 
 def _i32(x) -> jax.Array:

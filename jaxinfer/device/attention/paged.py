@@ -12,7 +12,7 @@ import functools
 import jax
 
 from jaxinfer.device.attention import cpu
-from jaxinfer.device.kv_cache import POOL_AXES, PagedKVCache
+from jaxinfer.device.kv_cache import POOL_AXES, PagedKVCache, scale_args
 from jaxinfer.pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
@@ -40,46 +40,52 @@ def one_replica(x: jax.Array) -> jax.Array:
 def rope_and_store(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, layer: jax.Array,
                    meta: StepMetadata, inv_freq: jax.Array, layout: Layout,
                    backend: str) -> tuple[jax.Array, PagedKVCache]:
-    """Rotary embedding on q and k, and k/v written into their pages. q: [R, N, H, D], k, v: [R, N, KV, D]."""
+    """Rotary embedding on q and k, and k/v written into their pages (quantized there for int8/fp8 pages).
+    q: [R, N, H, D], k, v: [R, N, KV, D]."""
     kernel = (functools.partial(rope_and_write, interpret=_interpret(layout)) if backend == "pallas"
               else rope_and_write_reference)
 
-    def local(q, k, v, k_pages, v_pages, layer, meta, inv_freq):
-        return kernel(q, k, v, k_pages, v_pages, layer, meta.positions, meta.slots, inv_freq)
+    def local(q, k, v, pools, layer, meta, inv_freq):
+        q, *pools = kernel(q, k, v, *pools[:2], layer, meta.positions, meta.slots, inv_freq, **scale_args(pools))
+        return q, tuple(pools)
 
     return _per_device(local, q, k, v, cache, layer, meta, inv_freq, layout)
 
 
 def _per_device(local, q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, layer: jax.Array,
                 meta: StepMetadata, inv_freq: jax.Array, layout: Layout) -> tuple[jax.Array, PagedKVCache]:
-    """local(q, k, v, k_pages, v_pages, layer, meta, inv_freq) -> (q or attention output, k_pages, v_pages) on
-    each device's share: its replica's row of q, k, v and meta, its heads and its pages."""
-    def row(q, k, v, k_pages, v_pages, layer, meta, inv_freq):
-        out, k_pages, v_pages = local(*map(one_replica, (q, k, v)), k_pages, v_pages, layer,
-                                      jax.tree.map(one_replica, meta), inv_freq)
-        return out[None], k_pages, v_pages
+    """local(q, k, v, pools, layer, meta, inv_freq) -> (q or attention output, pools) on each device's share:
+    its replica's row of q, k, v and meta, its heads and its pages (pools: PagedKVCache.pools(), the scales of
+    quantized pages included, each sharded like the pages)."""
+    pools = cache.pools()
 
-    out, k_pages, v_pages = layout.shard_map(
-        row, in_axes=(Q, KV, KV, POOL_AXES, POOL_AXES, None, META_AXES, None), out_axes=(Q, POOL_AXES, POOL_AXES),
-        check_vma=False,
-    )(q, k, v, cache.k, cache.v, layer, meta, inv_freq)
-    return out, PagedKVCache(k=k_pages, v=v_pages)
+    def row(q, k, v, pools, layer, meta, inv_freq):
+        out, pools = local(*map(one_replica, (q, k, v)), pools, layer, jax.tree.map(one_replica, meta), inv_freq)
+        return out[None], pools
+
+    pool_axes = (POOL_AXES,) * len(pools)
+    out, pools = layout.shard_map(
+        row, in_axes=(Q, KV, KV, pool_axes, None, META_AXES, None), out_axes=(Q, pool_axes), check_vma=False,
+    )(q, k, v, pools, layer, meta, inv_freq)
+    return out, PagedKVCache.of(pools)
 
 
 def paged_attention(q: jax.Array, cache: PagedKVCache, layer: jax.Array, meta: StepMetadata, layout: Layout,
                     backend: str) -> jax.Array:
-    """Causal GQA attention of each token over its own sequence's pages. q: [R, N, H, D] -> [R, N, H, D]."""
+    """Causal GQA attention of each token over its own sequence's pages (dequantized as they are read for
+    int8/fp8 pages). q: [R, N, H, D] -> [R, N, H, D]."""
     scale = 1.0 / float(q.shape[-1]) ** 0.5
     kernel = {"pallas": functools.partial(ragged_paged_attention, sm_scale=scale, interpret=_interpret(layout)),
               "xla": functools.partial(ragged_paged_attention_reference, sm_scale=scale)}[backend]
+    pools = cache.pools()
 
-    def local(q, k_pages, v_pages, layer, meta):
+    def local(q, pools, layer, meta):
         m = jax.tree.map(one_replica, meta)
-        return kernel(one_replica(q), k_pages, v_pages, layer, m.page_table, m.seq_lens, m.query_start,
-                      m.num_seqs)[None]
+        return kernel(one_replica(q), *pools[:2], layer, m.page_table, m.seq_lens, m.query_start, m.num_seqs,
+                      **scale_args(pools))[None]
 
-    return layout.shard_map(local, in_axes=(Q, POOL_AXES, POOL_AXES, None, META_AXES), out_axes=Q,
-                            check_vma=False)(q, cache.k, cache.v, layer, meta)
+    return layout.shard_map(local, in_axes=(Q, (POOL_AXES,) * len(pools), None, META_AXES), out_axes=Q,
+                            check_vma=False)(q, pools, layer, meta)
 
 
 def rope_write_attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, layer: jax.Array,
@@ -87,8 +93,10 @@ def rope_write_attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCa
     """The "cpu" backend: rope_and_store and paged_attention as one kernel call per layer (cpu.py)."""
     scale = 1.0 / float(q.shape[-1]) ** 0.5
 
-    def local(q, k, v, k_pages, v_pages, layer, m, inv_freq):
-        return cpu.rope_write_attend(q, k, v, k_pages, v_pages, layer, m.positions, m.slots, inv_freq, m.page_table,
-                                     m.seq_lens, m.query_start, m.num_seqs, sm_scale=scale)
+    def local(q, k, v, pools, layer, m, inv_freq):
+        out, *pools = cpu.rope_write_attend(q, k, v, *pools[:2], layer, m.positions, m.slots, inv_freq, m.page_table,
+                                            m.seq_lens, m.query_start, m.num_seqs, sm_scale=scale,
+                                            **scale_args(pools))
+        return out, tuple(pools)
 
     return _per_device(local, q, k, v, cache, layer, meta, inv_freq, layout)

@@ -20,8 +20,17 @@
 // 3, aliased to the pool operands, so updated in place; a slot outside the pool writes nothing) and
 // attends. One call instead of a dozen small XLA operations per layer, each of which costs more to launch
 // than its work on a decode step.
+//
+// Quantized pages (RaggedPagedAttentionQuantized, RopeWriteAttendQuantized): the pools hold int8 or
+// float8_e4m3fn, with bf16 scales [L, KV, P, page, 1] (one per token and kv head) as two more operands
+// (and, for the write, two more results aliased to them). The write quantizes each rotated k and each v
+// as pallas_kernels/kv_quant.py does (amax * (1 / QMAX) rounded to bf16 first, then x * (1 / scale)
+// rounded to nearest even and clipped), so its pages equal the jnp reference's bit for bit; attention
+// dequantizes a tile of keys at a time into float32 (q * scale, then rounded to q's dtype as the
+// reference's dequantize is), and from there runs the unquantized code. fp8 decodes by bit manipulation (fp8_value).
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -61,6 +70,105 @@ inline void from_float(float x, BF16* out) {  // round to nearest even, NaN kept
   }
   out->bits = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+
+// float8_e4m3fn (1 sign, 4 exponent bits biased by 7, 3 mantissa bits; no infinities, S.1111.111 is NaN).
+struct FP8 { uint8_t bits; };
+
+// Its float32 value from bit fields alone, so that loops over a tile vectorize (a table lookup would be a
+// gather per element): a normal code's exponent rebiased from 7 to 127 and its 3 mantissa bits moved to the
+// top of float32's 23, a subnormal one m * 2^-9; S.1111.111 gives NaN.
+inline float fp8_value(uint32_t c) {
+  const uint32_t magnitude = c & 0x7fu;
+  const float subnormal = static_cast<float>(magnitude) * 0x1p-9f;
+  const uint32_t normal = (magnitude << 20) + (120u << 23);
+  uint32_t bits;
+  std::memcpy(&bits, &subnormal, sizeof bits);
+  bits = magnitude < 8 ? bits : normal;
+  bits = magnitude == 0x7fu ? 0x7fc00000u : bits;
+  bits |= (c & 0x80u) << 24;
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+inline float to_float(int8_t x) { return x; }
+inline float to_float(FP8 x) { return fp8_value(x.bits); }
+
+// x rounded to T and back (what the reference's cast to the model's dtype does to a dequantized value).
+template <typename T>
+inline float round_to(float x) {
+  T t;
+  from_float(x, &t);
+  return to_float(t);
+}
+template <>
+inline float round_to<float>(float x) { return x; }
+template <>
+inline float round_to<BF16>(float x) {   // to nearest even without from_float's NaN branch, so loops vectorize
+  uint32_t u;                              // (a quiet NaN, all a dequantized value can be, stays one)
+  std::memcpy(&u, &x, sizeof u);
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+// The stored element of y = x * (1 / scale) (kv_quant.py): int8 rounds to nearest even, then clips to +-127;
+// e4m3fn clips to +-448, then rounds to nearest even (subnormals below 2^-6, steps of 2^-9).
+inline void quantized(float y, int8_t* out) {
+  if (y != y) y = 0.f;
+  *out = static_cast<int8_t>(std::clamp(std::nearbyint(y), -127.f, 127.f));
+}
+inline void quantized(float y, FP8* out) {
+  if (y != y) {
+    out->bits = 0x7f;
+    return;
+  }
+  y = std::clamp(y, -448.f, 448.f);
+  const uint8_t sign = std::signbit(y) ? 0x80 : 0;
+  const float a = std::fabs(y);
+  if (a < 0x1p-6f) {                       // subnormal (2^-6 itself rounds up into the first normal code, 0x08)
+    out->bits = sign | static_cast<uint8_t>(std::nearbyint(a * 512.f));
+    return;
+  }
+  uint32_t u;
+  std::memcpy(&u, &a, sizeof u);
+  u += 0x7ffffu + ((u >> 20) & 1u);        // round the 23-bit mantissa to 3 bits, to nearest even
+  out->bits = sign | static_cast<uint8_t>((u >> 20) - (120u << 3));   // exponent bias 127 -> 7
+}
+
+template <typename S> constexpr float kQMax = 127.f;
+template <> constexpr float kQMax<FP8> = 448.f;
+
+// One vector of d values (T) -> d stored elements (S) and its bf16 scale: amax * (1 / QMAX) rounded to bf16
+// first, 1 for an all-zero vector. Products with float32 reciprocals, as the jnp reference (kv_quant.py).
+template <typename T, typename S>
+void quantize(const T* x, int64_t d, S* out, BF16* scale) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
+  from_float(amax * (1.f / kQMax<S>), scale);
+  float s = to_float(*scale);
+  if (!(s > 0.f)) {
+    s = 1.f;
+    from_float(s, scale);
+  }
+  const float inverse = 1.f / s;
+  for (int64_t i = 0; i < d; ++i) quantized(to_float(x[i]) * inverse, out + i);
+}
+
+// keys x d stored elements and one scale per key -> float32 values as the model's dtype T holds them.
+template <typename T, typename S>
+void dequantize(const S* x, const BF16* scales, int64_t keys, int64_t d, float* out) {
+  for (int64_t c = 0; c < keys; ++c) {
+    const float s = to_float(scales[c]);
+    for (int64_t i = 0; i < d; ++i) out[c * d + i] = round_to<T>(to_float(x[c * d + i]) * s);
+  }
+}
+
+// The scales beside quantized pages (null for pages of the model's dtype).
+struct Scales {
+  BF16* k = nullptr;
+  BF16* v = nullptr;
+};
 
 // Runs body(i) for i in [0, n) on the caller and the XLA:CPU intra-op pool. Work is taken from a shared
 // counter, and the caller waits only for items a running thread has taken, so it never waits on a task
@@ -120,18 +228,28 @@ void rotate(const T* x, int64_t d, const float* cos, const float* sin, T* out) {
 }
 
 // Each token t's k (rotated) and v into flat slot slots[t] = page * P + offset of `layer`; slots outside the
-// pool (padding) write nothing.
-template <typename T>
+// pool (padding) write nothing. Pages of another type than T (S: int8, FP8) get each vector quantized, its
+// scale written beside it.
+template <typename T, typename S>
 void write_kv(const Shape& s, const T* k, const T* v, const int32_t* slots, int32_t layer, const Rope& rope,
-              T* k_pages, T* v_pages) {
+              S* k_pages, S* v_pages, const Scales& scales) {
   const int64_t d = s.d, half = d / 2;
+  std::vector<T> rotated(d);
   for (int64_t t = 0; t < s.n; ++t) {
     const int64_t slot = slots[t];
     if (slot < 0 || slot >= s.pages * s.page) continue;
     for (int64_t g = 0; g < s.kv_heads; ++g) {
-      const int64_t at = (((layer * s.kv_heads + g) * s.pages + slot / s.page) * s.page + slot % s.page) * d;
-      rotate(k + (t * s.kv_heads + g) * d, d, rope.cos + t * half, rope.sin + t * half, k_pages + at);
-      std::copy(v + (t * s.kv_heads + g) * d, v + (t * s.kv_heads + g + 1) * d, v_pages + at);
+      const int64_t row = ((layer * s.kv_heads + g) * s.pages + slot / s.page) * s.page + slot % s.page;
+      const T* kx = k + (t * s.kv_heads + g) * d;
+      const T* vx = v + (t * s.kv_heads + g) * d;
+      if constexpr (std::is_same_v<S, T>) {
+        rotate(kx, d, rope.cos + t * half, rope.sin + t * half, k_pages + row * d);
+        std::copy(vx, vx + d, v_pages + row * d);
+      } else {
+        rotate(kx, d, rope.cos + t * half, rope.sin + t * half, rotated.data());
+        quantize(rotated.data(), d, k_pages + row * d, scales.k + row);
+        quantize(vx, d, v_pages + row * d, scales.v + row);
+      }
     }
   }
 }
@@ -338,11 +456,12 @@ void accumulate(float* acc, int64_t rows, int64_t d, const float* correction, co
     });
 }
 
-// Attention of every real token over its sequence's pages (q rotated first where rope.cos is set).
-template <typename T>
-void attend(const Shape& s, const T* q, const T* k_pages, const T* v_pages, int32_t layer, const int32_t* table,
-            const int32_t* seq_lens, const int32_t* query_start, int32_t num_seqs, float scale, T* out,
-            ffi::ThreadPool& pool, const Rope& rope = {}) {
+// Attention of every real token over its sequence's pages (q rotated first where rope.cos is set); pages of
+// another type than T (S: int8, FP8) are dequantized a tile at a time with their scales.
+template <typename T, typename S>
+void attend(const Shape& s, const T* q, const S* k_pages, const S* v_pages, const Scales& scales, int32_t layer,
+            const int32_t* table, const int32_t* seq_lens, const int32_t* query_start, int32_t num_seqs, float scale,
+            T* out, ffi::ThreadPool& pool, const Rope& rope = {}) {
   const int64_t group = s.heads / s.kv_heads, d = s.d, page = s.page;
   std::fill(out, out + s.n * s.heads * d, T{});
   layer = std::clamp<int32_t>(layer, 0, static_cast<int32_t>(s.layers) - 1);
@@ -375,10 +494,12 @@ void attend(const Shape& s, const T* q, const T* k_pages, const T* v_pages, int3
     for (int64_t t = 0; t < it.tokens; ++t) most = std::max<int64_t>(most, visible[it.first + t]);
     if (most == 0) return;
     const int32_t* entries = table + static_cast<int64_t>(it.seq) * s.width;
-    const T* k_head = k_pages + layer * layer_stride + it.kv_head * s.pages * page * d;
-    const T* v_head = v_pages + layer * layer_stride + it.kv_head * s.pages * page * d;
+    const int64_t head_start = layer * layer_stride + it.kv_head * s.pages * page * d;
+    const S* k_head = k_pages + head_start;
+    const S* v_head = v_pages + head_start;
 
     std::vector<float> qf(rows * d), acc(rows * d, 0.f), kf(kTile * d), vf(kTile * d), sc(rows * kTile);
+    std::vector<float> kq(std::is_same_v<S, T> ? 0 : kTile * d);   // a tile of dequantized keys
     std::vector<float> m(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.f), correction(rows);
     std::vector<int64_t> row_visible(rows);
     std::vector<T> rotated(rope.cos != nullptr ? d : 0);
@@ -397,10 +518,19 @@ void attend(const Shape& s, const T* q, const T* k_pages, const T* v_pages, int3
       const int64_t j = start / page, offset = start % page;
       keys = std::min({kTile, page - offset, most - start});
       const int64_t pid = std::clamp<int64_t>(entries[j], 0, s.pages - 1);
-      const T* k = k_head + (pid * page + offset) * d;
-      const T* v = v_head + (pid * page + offset) * d;
-      tile_scores(qf.data(), rows, d, k, keys, kf.data(), sc.data());
-      const float* vt = as_floats(v, keys * d, vf.data());
+      const S* k = k_head + (pid * page + offset) * d;
+      const S* v = v_head + (pid * page + offset) * d;
+      const float* vt;
+      if constexpr (std::is_same_v<S, T>) {
+        tile_scores(qf.data(), rows, d, k, keys, kf.data(), sc.data());
+        vt = as_floats(v, keys * d, vf.data());
+      } else {
+        const int64_t first = (head_start / d) + pid * page + offset;   // the tile's first scale
+        dequantize<T>(k, scales.k + first, keys, d, kq.data());
+        tile_scores(qf.data(), rows, d, static_cast<const float*>(kq.data()), keys, kf.data(), sc.data());
+        dequantize<T>(v, scales.v + first, keys, d, vf.data());
+        vt = vf.data();
+      }
       for (int64_t r = 0; r < rows; ++r) {   // scores -> this tile's weights, and the rescale of what came before
         const int64_t seen = std::min(keys, row_visible[r] - start);   // this row's keys in the tile
         float* p = &sc[r * kTile];
@@ -454,23 +584,74 @@ ffi::Error by_dtype(ffi::DataType type, F&& f) {
   }
 }
 
+// Runs f(T{}, S{}) with T the element type of q (f32, bf16 or f16) and S that of the pages: int8 or FP8 for
+// quantized pages, else T (attention_shape has checked that the pair is one of these).
+template <typename F>
+ffi::Error by_dtypes(ffi::DataType q_type, ffi::DataType pool_type, F&& f) {
+  return by_dtype(q_type, [&](auto tag) {
+    switch (pool_type) {
+      case ffi::DataType::S8:
+        f(tag, int8_t{});
+        break;
+      case ffi::DataType::F8E4M3FN:
+        f(tag, FP8{});
+        break;
+      default:
+        f(tag, tag);
+    }
+  });
+}
+
 template <typename T>
 T* data(ffi::AnyBuffer& b) { return static_cast<T*>(b.untyped_data()); }
 
-// The attention operands' shape, or why they disagree.
+template <typename T>
+T* data(ffi::AnyBuffer* b) { return b == nullptr ? nullptr : data<T>(*b); }
+
+// Whether quantized pages' scales are bf16 [L, KV, P, page, 1] beside pages of dimensions kd.
+bool scales_fit(ffi::AnyBuffer& scales, ffi::Span<const int64_t> kd) {
+  const auto sd = scales.dimensions();
+  return scales.element_type() == ffi::DataType::BF16 && sd.size() == 5 && sd[4] == 1 &&
+         std::equal(kd.begin(), kd.begin() + 4, sd.begin(), sd.begin() + 4);
+}
+
+// The attention operands' shape, or why they disagree. k_scales, v_scales: those of quantized pages (int8 or
+// float8_e4m3fn), null for pages of q's dtype.
 ffi::ErrorOr<Shape> attention_shape(ffi::AnyBuffer& q, ffi::AnyBuffer& k_pages, ffi::AnyBuffer& v_pages,
                                     ffi::BufferR2<ffi::S32>& page_table, ffi::BufferR1<ffi::S32>& seq_lens,
-                                    ffi::BufferR1<ffi::S32>& query_start, ffi::AnyBuffer& out) {
+                                    ffi::BufferR1<ffi::S32>& query_start, ffi::AnyBuffer& out,
+                                    ffi::AnyBuffer* k_scales = nullptr, ffi::AnyBuffer* v_scales = nullptr) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), td = page_table.dimensions();
   if (qd.size() != 3 || kd.size() != 5) return ffi::Error::InvalidArgument("q must be rank 3 and the pages rank 5");
   const Shape s{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], kd[3], td[0], td[1]};
-  if (kd[4] != s.d || s.kv_heads <= 0 || s.heads % s.kv_heads != 0 || s.page <= 0 || s.pages <= 0 ||
+  const auto pool_type = k_pages.element_type();
+  const bool pools_ok =
+      k_scales == nullptr
+          ? pool_type == q.element_type()
+          : (pool_type == ffi::DataType::S8 || pool_type == ffi::DataType::F8E4M3FN) && scales_fit(*k_scales, kd) &&
+                scales_fit(*v_scales, kd);
+  if (!pools_ok || kd[4] != s.d || s.kv_heads <= 0 || s.heads % s.kv_heads != 0 || s.page <= 0 || s.pages <= 0 ||
       seq_lens.dimensions()[0] != s.slots || query_start.dimensions()[0] != s.slots + 1 ||
       !std::equal(kd.begin(), kd.end(), v_pages.dimensions().begin(), v_pages.dimensions().end()) ||
-      k_pages.element_type() != q.element_type() || v_pages.element_type() != q.element_type() ||
-      out.element_type() != q.element_type())
+      v_pages.element_type() != pool_type || out.element_type() != q.element_type())
     return ffi::Error::InvalidArgument("ragged paged attention: operand shapes or dtypes disagree");
   return s;
+}
+
+ffi::Error Attention(ffi::ThreadPool& pool, ffi::AnyBuffer& q, ffi::AnyBuffer& k_pages, ffi::AnyBuffer& v_pages,
+                     ffi::AnyBuffer* k_scales, ffi::AnyBuffer* v_scales, ffi::BufferR0<ffi::S32>& layer,
+                     ffi::BufferR2<ffi::S32>& page_table, ffi::BufferR1<ffi::S32>& seq_lens,
+                     ffi::BufferR1<ffi::S32>& query_start, ffi::BufferR0<ffi::S32>& num_seqs, float sm_scale,
+                     ffi::AnyBuffer& out) {
+  const auto s = attention_shape(q, k_pages, v_pages, page_table, seq_lens, query_start, out, k_scales, v_scales);
+  if (s.has_error()) return s.error();
+  const Scales scales{data<BF16>(k_scales), data<BF16>(v_scales)};
+  return by_dtypes(q.element_type(), k_pages.element_type(), [&](auto tag, auto pool_tag) {
+    using T = decltype(tag);
+    using S = decltype(pool_tag);
+    attend(*s, data<T>(q), data<S>(k_pages), data<S>(v_pages), scales, *layer.typed_data(), page_table.typed_data(),
+           seq_lens.typed_data(), query_start.typed_data(), *num_seqs.typed_data(), sm_scale, data<T>(out), pool);
+  });
 }
 
 ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
@@ -478,12 +659,60 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
                                     ffi::BufferR2<ffi::S32> page_table, ffi::BufferR1<ffi::S32> seq_lens,
                                     ffi::BufferR1<ffi::S32> query_start, ffi::BufferR0<ffi::S32> num_seqs,
                                     float sm_scale, ffi::Result<ffi::AnyBuffer> out) {
-  const auto s = attention_shape(q, k_pages, v_pages, page_table, seq_lens, query_start, *out);
+  return Attention(pool, q, k_pages, v_pages, nullptr, nullptr, layer, page_table, seq_lens, query_start, num_seqs,
+                   sm_scale, *out);
+}
+
+ffi::Error RaggedPagedAttentionQuantizedImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                                             ffi::AnyBuffer v_pages, ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales,
+                                             ffi::BufferR0<ffi::S32> layer, ffi::BufferR2<ffi::S32> page_table,
+                                             ffi::BufferR1<ffi::S32> seq_lens, ffi::BufferR1<ffi::S32> query_start,
+                                             ffi::BufferR0<ffi::S32> num_seqs, float sm_scale,
+                                             ffi::Result<ffi::AnyBuffer> out) {
+  return Attention(pool, q, k_pages, v_pages, &k_scales, &v_scales, layer, page_table, seq_lens, query_start,
+                   num_seqs, sm_scale, *out);
+}
+
+// The pools (and scales) and the results they must be aliased to.
+struct Written {
+  ffi::AnyBuffer *k_pages, *v_pages, *k_scales, *v_scales;
+  ffi::AnyBuffer *k_out, *v_out, *k_scales_out, *v_scales_out;
+
+  bool aliased() const {
+    return k_out->untyped_data() == k_pages->untyped_data() && v_out->untyped_data() == v_pages->untyped_data() &&
+           (k_scales == nullptr || (k_scales_out->untyped_data() == k_scales->untyped_data() &&
+                                    v_scales_out->untyped_data() == v_scales->untyped_data()));
+  }
+};
+
+ffi::Error RopeWrite(ffi::ThreadPool& pool, ffi::AnyBuffer& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v, const Written& w,
+                     ffi::BufferR0<ffi::S32>& layer, ffi::BufferR1<ffi::S32>& slots, ffi::BufferR2<ffi::F32>& cos,
+                     ffi::BufferR2<ffi::F32>& sin, ffi::BufferR2<ffi::S32>& page_table,
+                     ffi::BufferR1<ffi::S32>& seq_lens, ffi::BufferR1<ffi::S32>& query_start,
+                     ffi::BufferR0<ffi::S32>& num_seqs, float sm_scale, ffi::AnyBuffer& out) {
+  const auto s = attention_shape(q, *w.k_pages, *w.v_pages, page_table, seq_lens, query_start, out, w.k_scales,
+                                 w.v_scales);
   if (s.has_error()) return s.error();
-  return by_dtype(q.element_type(), [&](auto tag) {
+  const auto kd = k.dimensions();
+  if (kd.size() != 3 || kd[0] != s->n || kd[1] != s->kv_heads || kd[2] != s->d || s->d % 2 != 0 ||
+      !std::equal(kd.begin(), kd.end(), v.dimensions().begin(), v.dimensions().end()) ||
+      k.element_type() != q.element_type() || v.element_type() != q.element_type() ||
+      slots.dimensions()[0] != s->n || cos.dimensions()[0] != s->n || cos.dimensions()[1] != s->d / 2 ||
+      sin.dimensions()[0] != s->n || sin.dimensions()[1] != s->d / 2 ||
+      w.k_out->size_bytes() != w.k_pages->size_bytes() || w.v_out->size_bytes() != w.v_pages->size_bytes())
+    return ffi::Error::InvalidArgument("rope, write and attend: operand shapes or dtypes disagree");
+  if (!w.aliased())
+    return ffi::Error::InvalidArgument("rope, write and attend: the pools (and scales) must be aliased to the results");
+  const Rope rope{cos.typed_data(), sin.typed_data()};
+  const int32_t lyr = std::clamp<int32_t>(*layer.typed_data(), 0, static_cast<int32_t>(s->layers) - 1);
+  const Scales scales{data<BF16>(w.k_scales_out), data<BF16>(w.v_scales_out)};
+  return by_dtypes(q.element_type(), w.k_pages->element_type(), [&](auto tag, auto pool_tag) {
     using T = decltype(tag);
-    attend(*s, data<T>(q), data<T>(k_pages), data<T>(v_pages), *layer.typed_data(), page_table.typed_data(),
-           seq_lens.typed_data(), query_start.typed_data(), *num_seqs.typed_data(), sm_scale, data<T>(*out), pool);
+    using S = decltype(pool_tag);
+    write_kv(*s, data<T>(k), data<T>(v), slots.typed_data(), lyr, rope, data<S>(*w.k_out), data<S>(*w.v_out), scales);
+    attend(*s, data<T>(q), data<S>(*w.k_out), data<S>(*w.v_out), scales, lyr, page_table.typed_data(),
+           seq_lens.typed_data(), query_start.typed_data(), *num_seqs.typed_data(), sm_scale, data<T>(out), pool,
+           rope);
   });
 }
 
@@ -494,26 +723,22 @@ ffi::Error RopeWriteAttendImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyB
                                ffi::BufferR1<ffi::S32> seq_lens, ffi::BufferR1<ffi::S32> query_start,
                                ffi::BufferR0<ffi::S32> num_seqs, float sm_scale, ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
-  const auto s = attention_shape(q, k_pages, v_pages, page_table, seq_lens, query_start, *out);
-  if (s.has_error()) return s.error();
-  const auto kd = k.dimensions();
-  if (kd.size() != 3 || kd[0] != s->n || kd[1] != s->kv_heads || kd[2] != s->d || s->d % 2 != 0 ||
-      !std::equal(kd.begin(), kd.end(), v.dimensions().begin(), v.dimensions().end()) ||
-      k.element_type() != q.element_type() || v.element_type() != q.element_type() ||
-      slots.dimensions()[0] != s->n || cos.dimensions()[0] != s->n || cos.dimensions()[1] != s->d / 2 ||
-      sin.dimensions()[0] != s->n || sin.dimensions()[1] != s->d / 2 ||
-      k_out->size_bytes() != k_pages.size_bytes() || v_out->size_bytes() != v_pages.size_bytes())
-    return ffi::Error::InvalidArgument("rope, write and attend: operand shapes or dtypes disagree");
-  if (k_out->untyped_data() != k_pages.untyped_data() || v_out->untyped_data() != v_pages.untyped_data())
-    return ffi::Error::InvalidArgument("rope, write and attend: the pools must be aliased to results 2 and 3");
-  const Rope rope{cos.typed_data(), sin.typed_data()};
-  const int32_t lyr = std::clamp<int32_t>(*layer.typed_data(), 0, static_cast<int32_t>(s->layers) - 1);
-  return by_dtype(q.element_type(), [&](auto tag) {
-    using T = decltype(tag);
-    write_kv(*s, data<T>(k), data<T>(v), slots.typed_data(), lyr, rope, data<T>(*k_out), data<T>(*v_out));
-    attend(*s, data<T>(q), data<T>(*k_out), data<T>(*v_out), lyr, page_table.typed_data(), seq_lens.typed_data(),
-           query_start.typed_data(), *num_seqs.typed_data(), sm_scale, data<T>(*out), pool, rope);
-  });
+  const Written w{&k_pages, &v_pages, nullptr, nullptr, &*k_out, &*v_out, nullptr, nullptr};
+  return RopeWrite(pool, q, k, v, w, layer, slots, cos, sin, page_table, seq_lens, query_start, num_seqs, sm_scale,
+                   *out);
+}
+
+ffi::Error RopeWriteAttendQuantizedImpl(
+    ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer k_pages,
+    ffi::AnyBuffer v_pages, ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales, ffi::BufferR0<ffi::S32> layer,
+    ffi::BufferR1<ffi::S32> slots, ffi::BufferR2<ffi::F32> cos, ffi::BufferR2<ffi::F32> sin,
+    ffi::BufferR2<ffi::S32> page_table, ffi::BufferR1<ffi::S32> seq_lens, ffi::BufferR1<ffi::S32> query_start,
+    ffi::BufferR0<ffi::S32> num_seqs, float sm_scale, ffi::Result<ffi::AnyBuffer> out,
+    ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out, ffi::Result<ffi::AnyBuffer> k_scales_out,
+    ffi::Result<ffi::AnyBuffer> v_scales_out) {
+  const Written w{&k_pages, &v_pages, &k_scales, &v_scales, &*k_out, &*v_out, &*k_scales_out, &*v_scales_out};
+  return RopeWrite(pool, q, k, v, w, layer, slots, cos, sin, page_table, seq_lens, query_start, num_seqs, sm_scale,
+                   *out);
 }
 
 }  // namespace
@@ -549,6 +774,47 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RopeWriteAttend, RopeWriteAttendImpl,
                                   .Arg<ffi::BufferR1<ffi::S32>>()
                                   .Arg<ffi::BufferR0<ffi::S32>>()
                                   .Attr<float>("sm_scale")
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedPagedAttentionQuantized, RaggedPagedAttentionQuantizedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Arg<ffi::BufferR2<ffi::S32>>()
+                                  .Arg<ffi::BufferR1<ffi::S32>>()
+                                  .Arg<ffi::BufferR1<ffi::S32>>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Attr<float>("sm_scale")
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RopeWriteAttendQuantized, RopeWriteAttendQuantizedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Arg<ffi::BufferR1<ffi::S32>>()
+                                  .Arg<ffi::BufferR2<ffi::F32>>()
+                                  .Arg<ffi::BufferR2<ffi::F32>>()
+                                  .Arg<ffi::BufferR2<ffi::S32>>()
+                                  .Arg<ffi::BufferR1<ffi::S32>>()
+                                  .Arg<ffi::BufferR1<ffi::S32>>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Attr<float>("sm_scale")
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());

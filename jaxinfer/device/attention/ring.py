@@ -20,6 +20,12 @@ work of attending over it, are spread evenly. Attention then runs one of two way
   tokens in the step, never on the context length (vLLM's decode context parallel).
 
 Partials over disjoint keys are merged exactly by their log-sum-exp, in float32.
+
+Quantized pages (int8, fp8): a rank quantizes its fresh K/V once (pallas_kernels/kv_quant.py) and the
+blocks travel the ring quantized, with their scales (half the bytes of each permute); each rank writes
+the quantized vectors that belong on its pages as they are and attends to the block dequantized, so the
+fresh keys count exactly as they will when read back from the pages, as on one device. Decode writes
+through write_pages, which quantizes.
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ import numpy as np
 from jax import lax
 
 from jaxinfer.device.attention.paged import KV, META_AXES, Q, one_replica
-from jaxinfer.device.kv_cache import POOL_AXES, PagedKVCache
+from jaxinfer.device.kv_cache import POOL_AXES, PagedKVCache, scale_args
+from jaxinfer.pallas_kernels.kv_quant import dequantize, quantize
 from jaxinfer.pallas_kernels.ragged_paged_attention import merge_partials, paged_attention_partial
-from jaxinfer.pallas_kernels.rope_cache import rope, write_pages
+from jaxinfer.pallas_kernels.rope_cache import rope, scatter_rows, write_pages
 from jaxinfer.sharding import Layout
 from jaxinfer.step import StepMetadata, ring_order
 
@@ -63,10 +70,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, lay
     scale = 1.0 / float(q.shape[-1]) ** 0.5
     ring = [(r, (r + 1) % W) for r in range(W)]
 
-    def local(q, k, v, k_pages, v_pages, layer, meta, inv_freq):
+    def local(q, k, v, pools, layer, meta, inv_freq):
         q, k, v, m = q[0], k[0], v[0], jax.tree.map(one_replica, meta)
         rank, n = lax.axis_index(axis), q.shape[0]
-        page, per_rank = k_pages.shape[3], k_pages.shape[2]
+        page, per_rank = pools[0].shape[3], pools[0].shape[2]
 
         def block(x: jax.Array, src) -> jax.Array:
             """The slice of a whole-row array that rank `src` holds."""
@@ -87,8 +94,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, lay
             order = ring_order(n * W, W)
             natural = np.argsort(order)
             out, lse = paged_attention_partial(q_all[natural], m.query_start, m.num_seqs, kv_limit[natural],
-                                               k_pages, v_pages, layer, tables, sm_scale=scale, page_stride=W,
-                                               page_offset=rank)
+                                               *pools[:2], layer, tables, sm_scale=scale, page_stride=W,
+                                               page_offset=rank, **scale_args(pools))
             out, lse = out[order], lse[order]
             both = lax.all_to_all(jnp.concatenate([out, lse[..., None]], -1), axis, 0, 0, tiled=True)
             both = both.reshape(W, n, *both.shape[1:])
@@ -97,18 +104,18 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, lay
         pos, tseq = block(m.positions, rank), block(m.token_seq, rank)
         q, k = rope(q, pos, inv_freq), rope(k, pos, inv_freq)
         if meta.ring:
-            parts, kv = [], jnp.stack([k, v], axis=1)                  # [n, 2, KV, D]: one permute per step
+            parts, fresh = [], _ring_block(k, v, pools)   # one permute per step (two with scales)
             for i in range(W):
-                following = lax.ppermute(kv, axis, ring) if i < W - 1 else None   # issued before the compute
+                following = lax.ppermute(fresh, axis, ring) if i < W - 1 else None   # issued before the compute
                 src = (rank - i) % W
-                k_pages, v_pages = write_pages(k_pages, v_pages, layer, kv[:, 0], kv[:, 1],
-                                               own_slots(block(m.slots, src)))
+                pools = _write_block(pools, layer, fresh, own_slots(block(m.slots, src)))
+                kv = _block_values(fresh, q.dtype)
                 k_pos, k_seq = block(m.positions, src), block(m.token_seq, src)
                 if i == 0:
                     parts.append(_dense_partial(q, pos, tseq, kv, k_pos, k_seq, scale))
                 else:
                     parts.append(_half_block(q, pos, tseq, kv, k_pos, k_seq, src < rank, scale))
-                kv = following
+                fresh = following
             q_len = m.query_start[1:] - m.query_start[:-1]
             before = (m.seq_lens - q_len)[jnp.maximum(m.token_seq, 0)]    # each token's sequence before this step
             outs, lses = over_own_pages(lax.all_gather(q, axis, tiled=True), before)
@@ -117,18 +124,43 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, lay
         else:
             qkv = lax.all_gather(jnp.concatenate([q, k, v], axis=1), axis, tiled=True)
             h, kvh = q.shape[1], k.shape[1]
-            k_pages, v_pages = write_pages(k_pages, v_pages, layer, qkv[:, h: h + kvh], qkv[:, h + kvh:],
-                                           own_slots(m.slots))
+            pools = write_pages(*pools[:2], layer, qkv[:, h: h + kvh], qkv[:, h + kvh:], own_slots(m.slots),
+                                **scale_args(pools))
             outs, lses = over_own_pages(qkv[:, :h], m.positions + 1)
             out, _ = merge_partials(outs, lses)
-        return out.astype(q.dtype)[None], k_pages, v_pages
+        return out.astype(q.dtype)[None], tuple(pools)
 
     axes = META_AXES.replace(positions=ALL_TOKENS, slots=ALL_TOKENS, token_seq=ALL_TOKENS, ring=meta.ring)
-    out, k_pages, v_pages = layout.shard_map(
-        local, in_axes=(Q, KV, KV, POOL_AXES, POOL_AXES, None, axes, None), out_axes=(Q, POOL_AXES, POOL_AXES),
-        check_vma=False,
-    )(q, k, v, cache.k, cache.v, layer, meta, inv_freq)
-    return out, PagedKVCache(k=k_pages, v=v_pages)
+    pools = cache.pools()
+    pool_axes = (POOL_AXES,) * len(pools)
+    out, pools = layout.shard_map(
+        local, in_axes=(Q, KV, KV, pool_axes, None, axes, None), out_axes=(Q, pool_axes), check_vma=False,
+    )(q, k, v, pools, layer, meta, inv_freq)
+    return out, PagedKVCache.of(pools)
+
+
+def _ring_block(k: jax.Array, v: jax.Array, pools: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """A rank's fresh keys and values as they travel the ring: ([n, 2, KV, D],) in the model's dtype, or for
+    quantized pages (elements [n, 2, KV, D] of the pool's dtype, bfloat16 scales [n, 2, KV, 1])."""
+    kv = jnp.stack([k, v], axis=1)
+    if len(pools) == 2:
+        return (kv,)
+    return quantize(kv, pools[0].dtype)
+
+
+def _write_block(pools: tuple[jax.Array, ...], layer: jax.Array, block: tuple[jax.Array, ...],
+                 slots: jax.Array) -> tuple[jax.Array, ...]:
+    """A travelling block into this rank's pages (slots -1: not here), already quantized where pages are."""
+    if len(pools) == 2:
+        return write_pages(*pools, layer, block[0][:, 0], block[0][:, 1], slots)
+    (x, scales), (k_pages, v_pages, k_scales, v_scales) = block, pools
+    return (scatter_rows(k_pages, layer, x[:, 0], slots), scatter_rows(v_pages, layer, x[:, 1], slots),
+            scatter_rows(k_scales, layer, scales[:, 0], slots), scatter_rows(v_scales, layer, scales[:, 1], slots))
+
+
+def _block_values(block: tuple[jax.Array, ...], dtype) -> jax.Array:
+    """The block's keys and values [n, 2, KV, D] as attention sees them: dequantized where they travel quantized."""
+    return block[0] if len(block) == 1 else dequantize(*block, dtype)
 
 
 def _half_block(q, q_pos, q_seq, kv, k_pos, k_seq, earlier: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:

@@ -1,0 +1,115 @@
+"""`python -m jaxinfer.bench.quant`: what quantized weights and KV pages cost and buy, in one run.
+
+For each variant (weights float32, bfloat16, int8, fp8; KV pages int8, fp8 under float32 weights): bytes
+of weights per device, the KV tokens the pool holds under the same memory budget, batch-1 decode tok/s and
+its MBU (jaxinfer.bench.decode: the bytes a step actually reads, 1-byte weights counted as such), and the
+accuracy cost against the float32 model on the same prompts, teacher-forced: per-token KL divergence (mean
+and max; MaxText's logit checker gates on a max of 0.02), the largest logit error, and greedy agreement
+(the share of positions whose argmax is the float32 model's). Ratios are within one run of one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+
+import numpy as np
+
+from jaxinfer.cli import bench_command
+
+VARIANTS = {  # name: (serving dtype, weight quantization, KV cache dtype)
+    "float32": ("float32", None, "auto"),
+    "bfloat16": ("bfloat16", None, "auto"),
+    "int8": ("float32", "int8", "auto"),
+    "fp8": ("float32", "fp8", "auto"),
+    "kv-int8": ("float32", None, "int8"),
+    "kv-fp8": ("float32", None, "fp8"),
+}
+
+
+def accuracy(logits: list[np.ndarray], reference: list[np.ndarray]) -> dict:
+    """Per-token KL(reference || ours), max |logit error| and argmax agreement over every position."""
+    def log_softmax(x):
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+    ours, ref = np.concatenate(logits), np.concatenate(reference)
+    p, q = log_softmax(ref.astype(np.float64)), log_softmax(ours.astype(np.float64))
+    kl = (np.exp(p) * (p - q)).sum(-1)
+    return {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+            "max_logit_error": float(np.abs(ours - ref).max()),
+            "greedy_agreement": float((ours.argmax(-1) == ref.argmax(-1)).mean()), "positions": len(kl)}
+
+
+def run(args: argparse.Namespace) -> dict:
+    from jaxinfer import random_model
+    from jaxinfer.bench import decode
+    from jaxinfer.bench.peers import bench_prompts
+    from jaxinfer.llm import LLM
+
+    random_weights = args.model is None
+    cache_name, config_name = decode.PRESETS["dense"]
+    path = random_model.ensure(cache_name, getattr(random_model, config_name)) if random_weights else args.model
+    bandwidth = decode.memory_bandwidth(args.bandwidth_mib)
+    rows, reference = [], None
+    for name in ["float32", *[v for v in args.variants if v != "float32"]]:
+        dtype, quantization, kv = VARIANTS[name]
+        llm = LLM(path, mesh=args.mesh, dtype=dtype, quantization=quantization, kv_cache_dtype=kv,
+                  memory_fraction=args.memory_fraction)
+        try:
+            _, prompts = bench_prompts(llm.config.vocab_size, args.prompts, args.prompt_len, args.seed)
+            logits = llm.logits(prompts)
+            reference = reference or logits
+            speed = decode.bench_batch(llm, 1, args.prompt_len, args.max_tokens, args.seed, bandwidth, repeats=2)
+            rows.append({"variant": name, "dtype": dtype, "quantization": quantization, "kv_cache_dtype": kv,
+                         "weight_bytes_per_device": llm.parameter_bytes_per_device(),
+                         "kv_tokens": llm.engine.pages_per_replica * llm.engine.config.page_size,
+                         "decode_tokens_per_second": speed["decode_tokens_per_second"], "mbu": speed["mbu"],
+                         "weight_bytes_per_step": speed["weight_bytes_per_step"],
+                         **accuracy(logits, reference)})
+        finally:
+            llm.close()
+            del llm
+            gc.collect()
+    base = rows[0]
+    for r in rows:
+        r["speedup"] = r["decode_tokens_per_second"] / base["decode_tokens_per_second"]
+        r["kv_tokens_ratio"] = r["kv_tokens"] / base["kv_tokens"]
+    return {"model": str(path), "random_weights": random_weights, "mesh": args.mesh or "one device",
+            "memory_bandwidth_gbps": bandwidth, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+            "rows": rows}
+
+
+def readable(r: dict) -> str:
+    lines = [f"model {r['model']}{' (random weights)' if r['random_weights'] else ''} on {r['mesh']}; batch-1 "
+             f"decode of {r['max_tokens']} tokens after {r['prompt_len']}; accuracy against float32, teacher-forced",
+             f"{'variant':<9} {'MiB/device':>10} {'KV tokens':>9} {'decode tok/s':>12} {'x f32':>6} {'MBU':>6} "
+             f"{'KL mean':>9} {'KL max':>9} {'max |dlogit|':>12} {'greedy':>7}"]
+    for x in r["rows"]:
+        lines.append(f"{x['variant']:<9} {x['weight_bytes_per_device'] / 2**20:>10.1f} {x['kv_tokens']:>9} "
+                     f"{x['decode_tokens_per_second']:>12.1f} {x['speedup']:>6.2f} {x['mbu']:>6.1%} "
+                     f"{x['kl_mean']:>9.2e} {x['kl_max']:>9.2e} {x['max_logit_error']:>12.4f} "
+                     f"{x['greedy_agreement']:>7.1%}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m jaxinfer.bench.quant", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the ~125M random-weight Llama)")
+    p.add_argument("--mesh", default="")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--prompts", type=int, default=4, help="prompts scored for the accuracy figures")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--memory-fraction", type=float, default=0.9)
+    p.add_argument("--bandwidth-mib", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_command(parse_args(argv), run, readable)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

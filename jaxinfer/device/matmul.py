@@ -1,0 +1,70 @@
+"""The model's matmuls on each backend: where a quantized weight (jaxinfer.quant.QuantArray) runs.
+
+- "cpu": the C++ dequantizing matmul (jaxinfer.device.quant_matmul_cpu), one call per device inside a
+  shard_map: XLA:CPU would otherwise write a dequantized copy of every weight on every step, so int8 would
+  read more bytes than float32, not fewer. A weight whose contraction is split (the row-parallel o and
+  down under tp) ends in the same all-reduce over tp that the compiler emits for a plain one.
+- "pallas" (GPU): fp8 weights as one fp8 GEMM on devices that have one (compute capability 9.0, Hopper,
+  and later: jaxinfer.quant.fp8_matmul); elsewhere dequantize-then-matmul, which XLA fuses.
+- "xla", and any weight the above do not take: dequantize, then the plain matmul (jaxinfer.quant.matmul).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.device import quant_matmul_cpu
+from jaxinfer.quant import QuantArray, fp8_matmul, matmul
+from jaxinfer.sharding import Layout
+
+ROWS = ("batch", "seq")   # the activations' leading axes: [replicas, tokens per replica, ...]
+
+
+def model_matmul(x: jax.Array, w: jax.Array | QuantArray, contract: int, layout: Layout, backend: str) -> jax.Array:
+    """x [R, N, *k] times w [*k, *out] -> [R, N, *out] in x's dtype, with `backend`'s kernel where one applies."""
+    if isinstance(w, QuantArray) and w.axes:
+        if backend == "cpu" and quant_matmul_cpu.available() and _cpu_takes(w, layout):
+            return _cpu_matmul(x, w, layout)
+        if backend == "pallas" and w.values.dtype == jnp.float8_e4m3fn and has_fp8_gemm(layout):
+            return fp8_matmul(x, w)
+    return matmul(x, w, contract)
+
+
+def has_fp8_gemm(layout: Layout) -> bool:
+    """Whether the mesh's GPUs multiply float8 on their tensor cores (compute capability 9.0 and later)."""
+    device = layout.mesh.devices.flat[0]
+    capability = getattr(device, "compute_capability", None)
+    return layout.platform == "gpu" and capability is not None and float(capability) >= 9.0
+
+
+def _cpu_takes(w: QuantArray, layout: Layout) -> bool:
+    """Block-wise scales need the blocks of a split contraction to start where a device's rows start."""
+    if w.scale.shape[0] == 1:
+        return True
+    shards = math.prod(layout.axis_size(a) for a in w.axes[: w.contract] if a is not None)
+    k = math.prod(w.shape[: w.contract])
+    return shards == 1 or (k // shards) % w.block == 0
+
+
+def _cpu_matmul(x: jax.Array, w: QuantArray, layout: Layout) -> jax.Array:
+    c = w.contract
+    k_axes, out_axes = w.axes[:c], w.axes[c:]
+    split = tuple(m for a in k_axes for m in layout.mesh_axes(a))   # mesh axes the contraction is split over
+
+    def local(x, values, scale):
+        rows, k_shape, out_shape = x.shape[:2], values.shape[:c], values.shape[c:]
+        k, n = math.prod(k_shape), math.prod(out_shape)
+        if scale.shape[0] > 1 and split:   # this device's blocks of a split contraction
+            first = jax.lax.axis_index(split) * (k // w.block)
+            scale = jax.lax.dynamic_slice_in_dim(scale, first, -(-k // w.block), axis=0)
+        y = quant_matmul_cpu.quantized_matmul(x.reshape(-1, k), values.reshape(k, n), scale.reshape(-1, n),
+                                              block=w.block)
+        y = y.reshape(*rows, *out_shape)
+        return jax.lax.psum(y, split) if split else y
+
+    scale_axes = (None, *out_axes)
+    return layout.shard_map(local, in_axes=((*ROWS, *k_axes), w.axes, scale_axes),
+                            out_axes=(*ROWS, *out_axes))(x, w.values, w.scale)

@@ -1,0 +1,504 @@
+// Weight-only quantized matmul for XLA:CPU, called through XLA's FFI: the contract of
+// jaxinfer/device/quant_matmul_cpu.py (its jnp reference is the test oracle).
+//
+// Why a kernel of our own: a decode step reads every weight once, so its matmuls run at memory speed, and
+// XLA:CPU runs `convert(values) * scale` then a dot by writing a float32 copy of the weight first (four times
+// the int8 weight's bytes, then read again). Here the 1-byte weights are read once per call, in their own
+// [K, N] row-major layout, and turned into floats in registers: int8 by one byte shuffle into the top byte of
+// each 32-bit lane and an int -> float conversion; fp8 e4m3fn by rewriting its bits as float16, which F16C
+// converts, subnormals included.
+//
+// Loop order: each thread owns a range of columns, in groups whose float32 sums fit in L2. For each segment
+// of K (16 rows, within one scale block) it walks the group 64 columns (one cache line of weights a row) at a
+// time: 16 rows read side by side, sequentially, which the hardware prefetcher follows. The rows of x keep
+// their partial sums in registers for the whole segment, each converted weight used for up to 6 rows of x,
+// and fold them into the float32 sums with the block's scale once per segment and column, not per weight.
+// From 16 rows of x on, the segment's weights (128 rows) are converted once into a float panel that all rows
+// share, the classic 6 x 16 register tile on FMA.
+//
+// Operands: x [M, K] (f32, bf16 or f16), values [K, N] (int8 or f8e4m3fn), scale [ceil(K / block), N] f32.
+// Result: [M, N] in x's dtype; sums in float32.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+struct BF16 { uint16_t bits; };
+
+inline float to_float(float x) { return x; }
+inline float to_float(_Float16 x) { return static_cast<float>(x); }
+inline float to_float(BF16 x) {
+  const uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline void from_float(float x, float* out) { *out = x; }
+inline void from_float(float x, _Float16* out) { *out = static_cast<_Float16>(x); }
+inline void from_float(float x, BF16* out) {  // round to nearest even, NaN kept quiet
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    out->bits = static_cast<uint16_t>((u >> 16) | 0x40);
+    return;
+  }
+  out->bits = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Where the weights of a segment come from: int8 or fp8 bytes as stored, or floats already converted.
+enum class Kind { kInt8, kFp8, kF32 };
+
+constexpr int64_t kTile = 64;           // columns per tile: one cache line of 1-byte weights
+constexpr float kFp8Unit = 0x1p8f;      // fp8 weights are converted to 2^-8 times their value (fp8_halves)
+constexpr float kInt8Unit = 0x1p-24f;   // int8 weights to 2^24 times theirs (int8_top)
+
+// Tuning, measured on a 2-core AMD EPYC (Zen 3) for M = 1 .. 64, K and N of 768 .. 6144.
+constexpr int64_t kSegmentFew = 16;       // K rows per segment with few rows of x: the rows read side by side
+                                          // are few enough for the hardware prefetcher to follow
+constexpr int64_t kSegmentMany = 128;     // ... with many (a tile's float panel, 128 x 64 x 4 bytes)
+constexpr int64_t kPanelRows = 16;        // rows of x from which a segment's weights are converted only once
+constexpr int64_t kThreadWork = 1 << 20;  // multiply-adds below which the caller runs alone
+constexpr int64_t kRowChunk = 96;         // rows of x per work item
+constexpr int64_t kAccFloats = 1 << 15;   // accumulator floats per group of columns (128 KiB: L2)
+constexpr int64_t kItems = 2;             // work items per thread, at most
+constexpr int64_t kSplitRows = 8;         // rows of x up to which the threads split K (else the columns)
+
+// Sixteen fp8 e4m3fn bytes as float16 bit patterns of 2^-8 times their values: sign extension puts the sign
+// in bits 15..7 and exponent:mantissa in 6..0; shifted left by 7 those land in float16's exponent:mantissa
+// bits 13..7 (float16's bias 15 is e4m3's 7 plus 8, and its subnormals line up with e4m3's), the sign in
+// bits 15 and 14, and bit 14 is cleared. The code for NaN (0x7f, 0xff) comes out as 480 / 256: tiles
+// holding one take the exact path (find_nans).
+inline __m256i fp8_halves(__m128i bytes) {
+  const __m256i w = _mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7);
+  return _mm256_and_si256(w, _mm256_set1_epi16(static_cast<int16_t>(0xbfff)));
+}
+
+// A byte shuffle that puts bytes first .. first + 7 of a 16-byte row (in both halves of a register) into the top
+// byte of eight 32-bit lanes, zeros below: each int8 as 2^24 times itself, converted to float exactly (the
+// kernel folds 2^-24 into the scale). One 16-byte load and two shuffles per 16 weights.
+inline __m256i int8_top(int first) {
+  alignas(32) int8_t control[32];
+  for (int i = 0; i < 32; ++i) control[i] = i % 4 == 3 ? static_cast<int8_t>(first + i / 4) : -1;
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(control));
+}
+
+// Weights v and v + 1 of one k (8 each) as floats: one 16-byte load for both.
+template <Kind W>
+inline void load_pair(const void* p, int v, __m256& lo, __m256& hi) {
+  if constexpr (W == Kind::kInt8) {
+    const __m256i b = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(p) + 8 * v)));
+    lo = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(b, int8_top(0)));
+    hi = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(b, int8_top(8)));
+  } else if constexpr (W == Kind::kFp8) {
+    const __m256i h = fp8_halves(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(p) + 8 * v)));
+    lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+  } else {
+    const float* f = static_cast<const float*>(p) + 8 * v;
+    lo = _mm256_loadu_ps(f);
+    hi = _mm256_loadu_ps(f + 8);
+  }
+}
+
+template <Kind W>
+constexpr int64_t kElementBytes = W == Kind::kF32 ? 4 : 1;
+
+// acc[r, 0 : 8V] += scale[0 : 8V] * sum over k < kn of x[r, k] * w[k, 0 : 8V], for R rows: the R x V partial
+// sums stay in registers for the whole segment (w advances ldw elements per k, x (x transposed: rows
+// contiguous) ldx per k).
+template <Kind W, int R, int V>
+void segment_tile(const void* w, int64_t ldw, const float* x, int64_t ldx, int64_t kn, const float* scale,
+                  float* acc, int64_t lda) {
+  __m256 p[R][V];
+  #pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 16
+    for (int v = 0; v < V; ++v) p[r][v] = _mm256_setzero_ps();
+  const char* wb = static_cast<const char*>(w);
+  const int64_t step = ldw * kElementBytes<W>;
+  for (int64_t k = 0; k < kn; ++k, wb += step) {
+    // The same columns one segment on: each line of the weight asked for once, a segment before it is read
+    // (a prefetch never faults, even past the end).
+    if constexpr (W != Kind::kF32) _mm_prefetch(wb + kSegmentFew * step, _MM_HINT_T0);
+    if constexpr (V <= 4) {  // a few columns for many rows: the weights converted first, then one row at a time
+      __m256 w[V];
+      #pragma GCC unroll 16
+      for (int v = 0; v < V; v += 2) load_pair<W>(wb, v, w[v], w[v + 1]);
+      #pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m256 b = _mm256_loadu_ps(x + k * ldx + 8 * r);
+        #pragma GCC unroll 16
+        for (int v = 0; v < V; ++v) p[r][v] = _mm256_fmadd_ps(b, w[v], p[r][v]);
+      }
+    } else {                 // many columns for a row or two: each pair of weight vectors used as converted
+      __m256 b[R];
+      #pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) b[r] = _mm256_loadu_ps(x + k * ldx + 8 * r);
+      #pragma GCC unroll 16
+      for (int v = 0; v < V; v += 2) {
+        __m256 lo, hi;
+        load_pair<W>(wb, v, lo, hi);
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          p[r][v] = _mm256_fmadd_ps(b[r], lo, p[r][v]);
+          p[r][v + 1] = _mm256_fmadd_ps(b[r], hi, p[r][v + 1]);
+        }
+      }
+    }
+  }
+  #pragma GCC unroll 16
+  for (int v = 0; v < V; ++v) {
+    const __m256 s = _mm256_loadu_ps(scale + 8 * v);
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      float* a = acc + r * lda + 8 * v;
+      _mm256_storeu_ps(a, _mm256_fmadd_ps(p[r][v], s, _mm256_loadu_ps(a)));
+    }
+  }
+}
+
+// Rows of x per register tile, at most: 6 rows x 2 vectors of sums, 2 of weights, 1 of x.
+constexpr int kMaxRows = 6;
+
+// Vectors of 8 columns per register tile of R rows: 8 or more independent sums where R allows (an FMA's
+// latency times the two FMA pipes), 12 at most.
+constexpr int columns_for(int rows) { return rows <= 1 ? 8 : rows <= 2 ? 4 : 2; }
+
+// segment_tile for R = rows (1 <= rows <= kMaxRows), 8 * columns_for(R) columns at a time over the tile's 64
+// (`width` of them real, the rest zero padding).
+template <Kind W, int R = 1>
+void segment_tile_rows(int64_t rows, const void* w, int64_t ldw, const float* x, int64_t ldx, int64_t kn,
+                       const float* scale, float* acc, int64_t lda, int64_t width) {
+  if constexpr (R < kMaxRows) {
+    if (rows != R) return segment_tile_rows<W, R + 1>(rows, w, ldw, x, ldx, kn, scale, acc, lda, width);
+  }
+  constexpr int V = columns_for(R);
+  for (int64_t c = 0; c < width; c += 8 * V)
+    segment_tile<W, R, V>(static_cast<const char*>(w) + c * kElementBytes<W>, ldw, x, ldx, kn, scale + c, acc + c,
+                          lda);
+}
+
+// One tile's segment for all `rows` rows of x, in register tiles of up to 6 rows, as equal in size as can be.
+template <Kind W>
+void segment_rows(const void* w, int64_t ldw, const float* x, int64_t ldx, int64_t kn, const float* scale,
+                  float* acc, int64_t lda, int64_t rows, int64_t width) {
+  const int64_t groups = (rows + kMaxRows - 1) / kMaxRows;
+  for (int64_t g = 0, r = 0; g < groups; ++g) {
+    const int64_t n = (rows - r) / (groups - g);
+    segment_tile_rows<W>(n, w, ldw, x + 8 * r, ldx, kn, scale, acc + r * lda, lda, width);
+    r += n;
+  }
+}
+
+// An fp8 byte's value times 2^-8, NaN for 0x7f and 0xff (the exact path, for segments holding a NaN).
+float fp8_scalar(uint8_t b) {
+  if ((b & 0x7f) == 0x7f) return std::numeric_limits<float>::quiet_NaN();
+  const int e = (b >> 3) & 15, m = b & 7;
+  const float mag = e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(1.f + m / 8.f, e - 7);
+  return (b & 0x80 ? -mag : mag) / kFp8Unit;
+}
+
+// Runs body(i) for i in [0, n) on the caller and `helpers` tasks of XLA:CPU's intra-op pool. Work is taken
+// from a shared counter and the caller waits only for items a running thread has taken, so it never waits on
+// a task the pool has not started (no deadlock when the pool is busy).
+struct Progress {
+  std::atomic<int64_t> next{0};
+  int64_t done = 0;
+  std::mutex mu;
+  std::condition_variable cv;
+};
+
+template <typename Body>
+void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t helpers, const Body& body) {
+  if (helpers <= 0 || n <= 1) {
+    for (int64_t i = 0; i < n; ++i) body(i);
+    return;
+  }
+  auto progress = std::make_shared<Progress>();
+  auto work = [progress, n, &body] {
+    int64_t mine = 0;
+    for (int64_t i; (i = progress->next.fetch_add(1)) < n; ++mine) body(i);
+    if (mine > 0) {
+      std::lock_guard<std::mutex> lock(progress->mu);
+      progress->done += mine;
+      if (progress->done == n) progress->cv.notify_all();
+    }
+  };
+  for (int64_t t = 0; t < helpers; ++t) {  // a helper that starts after the work is gone touches only `progress`
+    auto task = work;
+    pool.Schedule(std::move(task));
+  }
+  work();
+  std::unique_lock<std::mutex> lock(progress->mu);
+  progress->cv.wait(lock, [&] { return progress->done == n; });
+}
+
+struct Problem {
+  int64_t m, k, n, block;
+  bool fp8;
+  const float* x;         // [k, m]: x transposed, a k's rows side by side for the register tiles' broadcasts
+  const uint8_t* values;  // [k, n]
+  const float* scale;     // [ceil(k / block), n]
+};
+
+// An fp8 segment's tiles holding a NaN code (0x7f or 0xff): kn rows of `width` bytes from w (ld apart), read
+// row by row (which also brings the segment into cache in the order memory lies). A NaN code is the one byte
+// that `| 0x80` turns into 0xff: the maximum of those over the segment finds whether there is any (two
+// operations per 32 bytes); which tiles hold them is worked out only then.
+void find_nans(const uint8_t* w, int64_t ld, int64_t kn, int64_t width, std::vector<char>& nan) {
+  const int64_t tiles = (width + kTile - 1) / kTile, whole = width / 32 * 32;
+  nan.assign(tiles, 0);
+  const __m256i high = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256i most = _mm256_setzero_si256();
+  bool any = false;
+  for (int64_t k = 0; k < kn; ++k) {
+    const uint8_t* row = w + k * ld;
+    for (int64_t j = 0; j < whole; j += 32) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + j));
+      most = _mm256_max_epu8(most, _mm256_or_si256(bytes, high));
+    }
+    for (int64_t j = whole; j < width; ++j) any |= (row[j] & 0x7f) == 0x7f;
+  }
+  const __m256i hit = _mm256_cmpeq_epi8(most, _mm256_set1_epi8(-1));
+  if (!any && _mm256_testz_si256(hit, hit)) return;
+  for (int64_t k = 0; k < kn; ++k)
+    for (int64_t j = 0; j < width; ++j) nan[j / kTile] |= (w[k * ld + j] & 0x7f) == 0x7f;
+}
+
+// kn rows of `width` 1-byte weights from w (ld apart) as floats in the kernel's units, tile after tile
+// ([tile][k][64], zero past `width`), read row by row. Tiles flagged in `nan` (fp8) convert exactly, NaN
+// included.
+void to_panel(const uint8_t* w, int64_t ld, int64_t kn, int64_t width, bool fp8, const char* nan, float* out) {
+  for (int64_t k = 0; k < kn; ++k) {
+    const uint8_t* row = w + k * ld;
+    for (int64_t t = 0; t * kTile < width; ++t) {
+      const uint8_t* b = row + t * kTile;
+      float* f = out + (t * kn + k) * kTile;
+      const int64_t cols = std::min(kTile, width - t * kTile);
+      if (cols == kTile && !(fp8 && nan[t])) {
+        for (int v = 0; v < 8; v += 2) {
+          __m256 lo, hi;
+          if (fp8) load_pair<Kind::kFp8>(b, v, lo, hi);
+          else load_pair<Kind::kInt8>(b, v, lo, hi);
+          _mm256_storeu_ps(f + 8 * v, lo);
+          _mm256_storeu_ps(f + 8 * v + 8, hi);
+        }
+        continue;
+      }
+      for (int64_t j = 0; j < kTile; ++j)
+        f[j] = j >= cols ? 0.f : fp8 ? fp8_scalar(b[j]) : static_cast<int8_t>(b[j]) / kInt8Unit;
+    }
+  }
+}
+
+// A thread's scratch memory, kept from call to call: allocated afresh, buffers of this size would be mapped
+// and page-faulted in on every call. The constants above bound its size, but for `x` and `sums` (`scratch`).
+struct Workspace {
+  std::vector<float> acc;      // the rows' sums for a group of columns
+  std::vector<float> scales;   // a block's scales for the group
+  std::vector<float> floats;   // a segment's weights as floats (the panel)
+  std::vector<uint8_t> bytes;  // the last tile's weights, zero-padded to 64 columns
+  std::vector<char> nan;       // an fp8 segment's tiles holding a NaN
+  std::vector<float> xb;       // a segment's x, broadcast
+  std::vector<float> x;        // x, float32 and transposed
+  std::vector<float> sums;     // the float32 sums of each part of K
+};
+thread_local Workspace workspace;
+
+// n floats of `kept` where that is 8 MiB or less, else of `once` (the caller's, freed after the call).
+float* scratch(std::vector<float>& kept, std::vector<float>& once, size_t n) {
+  std::vector<float>& v = n * sizeof(float) <= (8u << 20) ? kept : once;
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+// A piece of the work: rows [r0, r1) of x times columns [c0, c1) of the weight over its rows [k0, k1).
+struct Item {
+  int64_t r0, r1, c0, c1, k0, k1;
+};
+
+// An item's sums into out (n columns a row) in T, or, where `sums` is given, as float32 into sums (the same
+// layout) for the caller to add up.
+template <typename T>
+void run_item(const Problem& p, const Item& item, T* out, float* sums) {
+  const auto [r0, r1, c0, c1, k_begin, k_end] = item;
+  const int64_t rows = r1 - r0;
+  const bool panel = rows >= kPanelRows;
+  const int64_t seg = panel ? kSegmentMany : kSegmentFew;
+  const int64_t group = std::max<int64_t>(1, kAccFloats / (rows * kTile)) * kTile;
+  const int64_t most = std::min(group, (c1 - c0 + kTile - 1) / kTile * kTile);
+  Workspace& ws = workspace;
+  if (ws.acc.size() < static_cast<size_t>(rows * most)) ws.acc.resize(rows * most);
+  if (ws.scales.size() < static_cast<size_t>(most)) ws.scales.resize(most);
+  if (ws.xb.size() < static_cast<size_t>(seg * rows * 8)) ws.xb.resize(seg * rows * 8);
+  std::vector<float>& acc = ws.acc;
+  std::vector<float>& scales = ws.scales;
+  std::vector<uint8_t>& bytes = ws.bytes;
+  std::vector<float>& floats = ws.floats;
+  std::vector<char>& nan = ws.nan;
+  const float unit = p.fp8 ? kFp8Unit : kInt8Unit;
+  const float* x = p.x + r0;
+  for (int64_t g0 = c0; g0 < c1; g0 += group) {
+    const int64_t g1 = std::min(c1, g0 + group), width = g1 - g0, lda = (width + kTile - 1) / kTile * kTile;
+    std::fill(acc.begin(), acc.begin() + rows * lda, 0.f);
+    for (int64_t k0 = k_begin, k1, last = -1; k0 < k_end; k0 = k1) {
+      const int64_t b = k0 / p.block;
+      k1 = std::min({k_end, k0 + seg, (b + 1) * p.block});
+      const int64_t kn = k1 - k0;
+      if (b != last) {  // this block's scales (times the weights' unit), zero past the last column
+        for (int64_t j = 0; j < lda; ++j) scales[j] = j < width ? p.scale[b * p.n + g0 + j] * unit : 0.f;
+        last = b;
+      }
+      const uint8_t* src = p.values + k0 * p.n + g0;
+      const float* xk = x + k0 * p.m;
+      float* xb = &ws.xb[0];  // the segment's x, each value broadcast to 8 lanes ([k][row][8])
+      for (int64_t k = 0; k < kn; ++k)
+        for (int64_t r = 0; r < rows; ++r) _mm256_storeu_ps(xb + (k * rows + r) * 8, _mm256_set1_ps(xk[k * p.m + r]));
+      if (p.fp8) find_nans(src, p.n, kn, width, nan);
+      if (panel) {  // the segment's weights converted once for all rows
+        floats.resize(kn * lda);
+        to_panel(src, p.n, kn, width, p.fp8, nan.data(), floats.data());
+        for (int64_t t = 0; t * kTile < width; ++t)
+          segment_rows<Kind::kF32>(&floats[t * kn * kTile], kTile, xb, rows * 8, kn, &scales[t * kTile], &acc[t * kTile],
+                                   lda, rows, std::min(kTile, width - t * kTile));
+        continue;
+      }
+      for (int64_t t = 0; t * kTile < width; ++t) {  // each tile's weights converted as the register tiles use them
+        const uint8_t* w = src + t * kTile;
+        const int64_t cols = std::min(kTile, width - t * kTile);
+        if (p.fp8 && nan[t]) {
+          floats.resize(kn * kTile);
+          to_panel(w, p.n, kn, cols, true, nan.data() + t, floats.data());
+          segment_rows<Kind::kF32>(floats.data(), kTile, xb, rows * 8, kn, &scales[t * kTile], &acc[t * kTile], lda, rows,
+                                   cols);
+          continue;
+        }
+        int64_t ldw = p.n;
+        if (cols < kTile) {  // the last tile: copied, zero-padded, so that every load stays inside the operand
+          bytes.assign(kn * kTile, 0);
+          for (int64_t k = 0; k < kn; ++k) std::memcpy(&bytes[k * kTile], w + k * ldw, cols);
+          w = bytes.data();
+          ldw = kTile;
+        }
+        if (p.fp8)
+          segment_rows<Kind::kFp8>(w, ldw, xb, rows * 8, kn, &scales[t * kTile], &acc[t * kTile], lda, rows, cols);
+        else
+          segment_rows<Kind::kInt8>(w, ldw, xb, rows * 8, kn, &scales[t * kTile], &acc[t * kTile], lda, rows, cols);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* a = &acc[r * lda];
+      if (sums) std::memcpy(sums + (r0 + r) * p.n + g0, a, width * sizeof(float));
+      else for (int64_t c = 0; c < width; ++c) from_float(a[c], out + (r0 + r) * p.n + g0 + c);
+    }
+  }
+}
+
+// Splits the work over the caller and XLA's intra-op threads. Few rows of x (memory-bound): K in equal parts,
+// so that each thread streams one contiguous range of the weight, and the parts' float32 sums are added up at
+// the end. More rows: the columns in equal parts (and chunks of rows), a multiple of the threads in number, so
+// that a thread the OS holds back delays the call by one small part.
+template <typename T>
+void quantized_matmul(const Problem& p, T* out, ffi::ThreadPool& pool) {
+  static const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());  // reads sysfs
+  const int64_t workers = p.m * p.k * p.n < kThreadWork ? 1 : std::min(pool.num_threads() + 1, cores);
+  if (workers > 1 && p.m <= kSplitRows && p.k >= 2 * kSegmentFew * workers) {
+    std::vector<float> once;
+    float* sums = scratch(workspace.sums, once, workers * p.m * p.n);
+    parallel_for(pool, workers, workers - 1, [&](int64_t i) {
+      const Item item{0, p.m, 0, p.n, i * p.k / workers, (i + 1) * p.k / workers};
+      run_item<T>(p, item, nullptr, sums + i * p.m * p.n);
+    });
+    for (int64_t j = 0; j < p.m * p.n; ++j) {
+      float total = sums[j];
+      for (int64_t i = 1; i < workers; ++i) total += sums[i * p.m * p.n + j];
+      from_float(total, out + j);
+    }
+    return;
+  }
+  const int64_t tiles = (p.n + kTile - 1) / kTile;
+  const int64_t chunks = (p.m + kRowChunk - 1) / kRowChunk;
+  const int64_t per_worker = std::clamp<int64_t>(tiles / (4 * workers), 1, kItems);
+  const int64_t parts = chunks >= workers ? 1 : std::min(tiles, workers * per_worker);
+  parallel_for(pool, chunks * parts, std::min(workers, chunks * parts) - 1, [&](int64_t i) {
+    const int64_t chunk = i / parts, part = i % parts;
+    const int64_t r0 = chunk * kRowChunk, c0 = part * tiles / parts * kTile;
+    const Item item{r0, std::min(p.m, r0 + kRowChunk), c0, std::min(p.n, (part + 1) * tiles / parts * kTile), 0, p.k};
+    run_item<T>(p, item, out, nullptr);
+  });
+}
+
+template <typename T>
+T* data(ffi::AnyBuffer& b) { return static_cast<T*>(b.untyped_data()); }
+
+template <typename T>
+void run(Problem p, ffi::AnyBuffer& x, ffi::AnyBuffer& out, ffi::ThreadPool& pool) {
+  std::vector<float> once;
+  float* xt = scratch(workspace.x, once, p.m * p.k);
+  const T* xs = data<T>(x);
+  for (int64_t r = 0; r < p.m; ++r)
+    for (int64_t k = 0; k < p.k; ++k) xt[k * p.m + r] = to_float(xs[r * p.k + k]);
+  p.x = xt;
+  quantized_matmul(p, data<T>(out), pool);
+}
+
+ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer values,
+                               ffi::Buffer<ffi::F32> scale, int64_t block, ffi::Result<ffi::AnyBuffer> out) {
+  const auto xd = x.dimensions(), wd = values.dimensions(), sd = scale.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2 || od.size() != 2 || block < 1)
+    return ffi::Error::InvalidArgument("quantized matmul: x, values, scale must be rank 2 and block positive");
+  const int64_t m = xd[0], k = xd[1], n = wd[1];
+  if (wd[0] != k || sd[0] != (k + block - 1) / block || sd[1] != n || od[0] != m || od[1] != n ||
+      out->element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("quantized matmul: operand shapes disagree");
+  const auto vt = values.element_type();
+  if (vt != ffi::DataType::S8 && vt != ffi::DataType::F8E4M3FN)
+    return ffi::Error::InvalidArgument("quantized matmul: values must be int8 or float8_e4m3fn");
+  const Problem p{m, k, n, block, vt == ffi::DataType::F8E4M3FN, nullptr,
+                  static_cast<const uint8_t*>(values.untyped_data()), scale.typed_data()};
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  switch (x.element_type()) {
+    case ffi::DataType::F32:
+      run<float>(p, x, *out, pool);
+      return ffi::Error::Success();
+    case ffi::DataType::BF16:
+      run<BF16>(p, x, *out, pool);
+      return ffi::Error::Success();
+    case ffi::DataType::F16:
+      run<_Float16>(p, x, *out, pool);
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("quantized matmul: x must be f32, bf16 or f16");
+  }
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmul, QuantizedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("block")
+                                  .Ret<ffi::AnyBuffer>());

@@ -1,0 +1,160 @@
+"""The weight-only quantized matmul (jaxinfer/device/quant_matmul_cpu.py): its jnp reference against an explicit
+numpy product, and the C++ kernel against the reference.
+
+Tolerance: kernel and reference both sum in float32, in different orders (the kernel scales partial sums of
+up to 16 rows of K, and adds the sums of the parts of K its threads take; the reference scales each weight),
+so each is within (K + 2) * 2^-24 * sum_k |x[m, k] * w[k, n]| of the exact product (the classic bound for a
+float32 sum of K products, each of its terms rounded at most K + 2 times), and they are within twice that of
+each other. A result in bfloat16 or float16 adds one ulp of that dtype (at most eps * |value|): two float32
+values on either side of a rounding boundary round one ulp apart.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxinfer.device import quant_matmul_cpu as q
+
+
+def cpu_device():
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:                       # JAX_PLATFORMS=cuda: a GPU run of the kernel tests
+        return None
+
+
+on_cpu = pytest.mark.skipif(cpu_device() is None, reason="the C++ kernel runs on CPU devices; JAX_PLATFORMS has none")
+
+
+@pytest.fixture
+def kernel():
+    """Skips where the kernel cannot be built (no C++ compiler), as the attention kernel's tests fall back."""
+    if not q.available():
+        pytest.skip(f"the C++ kernel is unavailable: {q.unavailable_reason()}")
+
+
+def make(m: int, k: int, n: int, block: int, values: str, x_dtype: str = "float32", seed: int = 0,
+         nan: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x ~ N(0, 1); int8 values over all of -128..127; fp8 values over every finite code (subnormals, +-0 and
+    +-448 included), or with a few NaN codes (0x7f, 0xff) where `nan`; scales in [0.5, 2) / 64."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k), dtype=np.float32).astype(jnp.dtype(x_dtype))
+    if values == "int8":
+        v = rng.integers(-128, 128, (k, n)).astype(np.int8)
+    else:
+        codes = rng.integers(0, 256, (k, n)).astype(np.uint8)
+        codes[(codes & 0x7F) == 0x7F] -= 1
+        if nan:
+            codes[rng.integers(0, k, 3), rng.integers(0, n, 3)] = [0x7F, 0xFF, 0x7F]
+        v = codes.view(ml_dtypes.float8_e4m3fn)
+    scale = rng.uniform(0.5, 2.0, (-(-k // block), n)).astype(np.float32) / 64
+    return x, v, scale
+
+
+def exact(x: np.ndarray, v: np.ndarray, scale: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """x @ (values * repeat(scale)) in float64, and sum_k |x[m, k] * w[k, n]| (for the tolerance)."""
+    w = v.astype(np.float64) * np.repeat(scale.astype(np.float64), block, axis=0)[: v.shape[0]]
+    xs = x.astype(np.float64)
+    return xs @ w, np.abs(xs) @ np.abs(w)
+
+
+def tolerance(magnitude: np.ndarray, value: np.ndarray, k: int, dtype, orders: int) -> np.ndarray:
+    """`orders` float32 summation orders' worth of rounding over K terms, plus an ulp of the result's dtype."""
+    rounding = 0.0 if jnp.dtype(dtype) == jnp.float32 else float(jnp.finfo(dtype).eps)
+    return orders * (k + 2) * 2.0 ** -24 * magnitude + rounding * np.abs(value)
+
+
+def run(f, x, v, scale, block):
+    dev = cpu_device()
+    return np.asarray(jax.jit(functools.partial(f, block=block))(*jax.device_put((x, v, scale), dev)), np.float64)
+
+
+CASES = {                      # (M, K, N, block): odd sizes on purpose
+    "per_channel": (1, 200, 37, 200),
+    "block128_k200": (5, 200, 37, 128),
+    "block48_k100": (70, 100, 37, 48),
+    # M * K * N past the kernel's 2^20 multiply-adds, on two threads or more where the machine has the cores:
+    "threads_split_k": (3, 640, 1025, 128),   # up to 8 rows: K in parts (here through a block), sums added
+    "threads_columns": (9, 200, 1025, 64),    # more rows: the columns in parts
+    "threads_panel": (20, 100, 1025, 48),     # the columns in parts, the weights converted once (16 rows on)
+    "threads_rows": (100, 160, 301, 64),      # chunks of 96 rows
+}
+
+
+@on_cpu
+@pytest.mark.parametrize("values", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("case", ["per_channel", "block128_k200", "block48_k100"])
+def test_reference_is_the_explicit_numpy_product(case: str, values: str):
+    m, k, n, block = CASES[case]
+    for x_dtype in ("float32", "bfloat16"):
+        x, v, scale = make(m, k, n, block, values, x_dtype)
+        want, magnitude = exact(x, v, scale, block)
+        got = run(q.quantized_matmul_reference, x, v, scale, block)
+        assert got.shape == (m, n)
+        np.testing.assert_array_less(np.abs(got - want), tolerance(magnitude, want, k, x_dtype, orders=1) + 1e-30)
+
+
+@on_cpu
+@pytest.mark.parametrize("values", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_matches_reference(kernel, case: str, values: str):
+    m, k, n, block = CASES[case]
+    for x_dtype in ("float32", "bfloat16") if not case.startswith("threads") else ("float32",):
+        x, v, scale = make(m, k, n, block, values, x_dtype, seed=1)
+        ref = run(q.quantized_matmul_reference, x, v, scale, block)
+        out = run(q.quantized_matmul, x, v, scale, block)
+        _, magnitude = exact(x, v, scale, block)
+        np.testing.assert_array_less(np.abs(out - ref), tolerance(magnitude, ref, k, x_dtype, orders=2) + 1e-30)
+
+
+@on_cpu
+def test_kernel_float16_x_and_result(kernel):
+    m, k, n, block = CASES["block128_k200"]
+    x, v, scale = make(m, k, n, block, "int8", "float16", seed=2)
+    out = jax.jit(functools.partial(q.quantized_matmul, block=block))(x, v, scale)
+    assert out.dtype == jnp.float16 and out.shape == (m, n)
+    ref = run(q.quantized_matmul_reference, x, v, scale, block)
+    _, magnitude = exact(x, v, scale, block)
+    np.testing.assert_array_less(np.abs(np.asarray(out, np.float64) - ref),
+                                 tolerance(magnitude, ref, k, "float16", orders=2) + 1e-30)
+
+
+@on_cpu
+@pytest.mark.parametrize("m", [1, 20])
+def test_fp8_nan_codes_give_nan_columns_as_in_the_reference(kernel, m: int):
+    """0x7f and 0xff are NaN in e4m3fn (it has no infinities): each poisons its column, and only it."""
+    k, n, block = 100, 70, 48
+    x, v, scale = make(m, k, n, block, "float8_e4m3fn", nan=True, seed=3)
+    ref = run(q.quantized_matmul_reference, x, v, scale, block)
+    out = run(q.quantized_matmul, x, v, scale, block)
+    nan_columns = np.isnan(v.astype(np.float32)).any(axis=0)
+    assert nan_columns.any()
+    np.testing.assert_array_equal(np.isnan(out), np.broadcast_to(nan_columns, (m, n)))
+    np.testing.assert_array_equal(np.isnan(ref), np.isnan(out))
+    _, magnitude = exact(x, np.where(np.isnan(v.astype(np.float32)), 0, v.astype(np.float32)), scale, block)
+    ok = ~nan_columns
+    np.testing.assert_array_less(np.abs(out - ref)[:, ok],
+                                 tolerance(magnitude, ref, k, "float32", orders=2)[:, ok] + 1e-30)
+
+
+@pytest.mark.parametrize("f", [q.quantized_matmul, q.quantized_matmul_reference])
+def test_bad_operands_raise_value_errors_naming_the_shapes(f):
+    x, v, scale = make(3, 100, 37, 48, "int8")
+    with pytest.raises(ValueError, match=r"x \(3, 100\), values \(100, 37\), scale \(2, 37\) with block 48"):
+        f(x, v, scale[:2], block=48)                          # ceil(100 / 48) = 3 blocks
+    with pytest.raises(ValueError, match=r"values \(99, 37\)"):
+        f(x, v[:99], scale, block=48)
+    with pytest.raises(ValueError, match=r"values \(100, 37\) must be one of \('int8', 'float8_e4m3fn'\), not uint8"):
+        f(x, v.view(np.uint8), scale, block=48)
+    with pytest.raises(ValueError, match=r"x \(3, 100\) must be one of"):
+        f(x.astype(np.int32), v, scale, block=48)
+    with pytest.raises(ValueError, match=r"got x \(100,\), values \(100, 37\), scale \(3, 37\)"):
+        f(x[0], v, scale, block=48)
+    with pytest.raises(ValueError, match="block must be a positive int"):
+        f(x, v, scale, block=0)
