@@ -384,24 +384,19 @@ def test_requests_batched_equal_each_alone_with_quantized_pages(kind, tiny_llm, 
     assert together == [llm.generate([p], params)[0].token_ids for p in prompts]
 
 
-@pytest.mark.parametrize("mesh, kind", [("sp=2", "int8"), ("sp=2", "fp8"), ("sp=2", "auto"),
-                                        ("dp=2,pp=2,tp=2", "int8")])
+@pytest.mark.parametrize("mesh, kind", [("sp=2", "int8"), ("sp=2", "fp8"), ("dp=2,pp=2,tp=2", "int8")])
 def test_quantized_pages_on_a_mesh_equal_one_device(mesh, kind, tiny_llm, unquantized, golden):
-    """The sp ring (fresh K/V travel quantized, pages dealt round the ranks; jnp backend; "auto": the ring's plain
-    pages as before) and the scales sharded as the pages over dp, pp and tp: the one-device run's logits within
+    """The sp ring (fresh K/V travel quantized, pages dealt round the ranks; jnp backend; its plain pages are
+    test_sequence_parallel's) and the scales sharded as the pages over dp, pp and tp: the one-device run's logits within
     float32 rounding, so within the bound of the float32 pages', and its greedy tokens (prefill through the ring,
     then decode)."""
     g = golden("llama")
-    engine_args = {} if kind == "auto" else {"kv_cache_dtype": kind}
-    llm, one = tiny_llm("llama", mesh=mesh, **engine_args), tiny_llm("llama", **engine_args)
+    llm, one = tiny_llm("llama", mesh=mesh, kv_cache_dtype=kind), tiny_llm("llama", kv_cache_dtype=kind)
     cache = llm.engine.runner.cache
-    if kind == "auto":
-        assert cache.k.dtype == jnp.float32 and cache.k_scale is None
-    else:
-        assert cache.k.dtype == cache.v.dtype == KINDS[kind] and cache.k_scale.sharding == cache.k.sharding
+    assert cache.k.dtype == cache.v.dtype == KINDS[kind] and cache.k_scale.sharding == cache.k.sharding
     ours = llm.logits(g.prompts)
     assert max_logit_diff(ours, one.logits(g.prompts)) < 1e-5
-    assert max_logit_diff(ours, unquantized.logits(g.prompts)) <= LOGIT_BOUND.get(kind, 1e-5)
+    assert max_logit_diff(ours, unquantized.logits(g.prompts)) <= LOGIT_BOUND[kind]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     assert ([o.token_ids for o in llm.generate(g.prompts[:2], params)]
             == [o.token_ids for o in one.generate(g.prompts[:2], params)])

@@ -1,7 +1,8 @@
 """`python -m jaxinfer.bench.quant`: what quantized weights and KV pages cost and buy, in one run.
 
 For each variant (weights float32, bfloat16, int8, fp8; KV pages int8, fp8 under float32 weights): bytes
-of weights per device, the KV tokens the pool holds under the same memory budget, batch-1 decode tok/s and
+of weights per device, the KV tokens a GiB of pool holds (the engine's own page sizing, scales counted),
+batch-1 decode tok/s and
 its MBU (jaxinfer.bench.decode: the bytes a step actually reads, 1-byte weights counted as such), and the
 accuracy cost against the float32 model on the same prompts, teacher-forced: per-token KL divergence (mean
 and max; MaxText's logit checker gates on a max of 0.02), the largest logit error, and greedy agreement
@@ -62,7 +63,8 @@ def run(args: argparse.Namespace) -> dict:
             speed = decode.bench_batch(llm, 1, args.prompt_len, args.max_tokens, args.seed, bandwidth, repeats=2)
             rows.append({"variant": name, "dtype": dtype, "quantization": quantization, "kv_cache_dtype": kv,
                          "weight_bytes_per_device": llm.parameter_bytes_per_device(),
-                         "kv_tokens": llm.engine.pages_per_replica * llm.engine.config.page_size,
+                         "kv_bytes_per_token": llm.engine.kv_bytes_per_token,
+                         "kv_tokens_per_gib": 2**30 // llm.engine.kv_bytes_per_token,
                          "decode_tokens_per_second": speed["decode_tokens_per_second"], "mbu": speed["mbu"],
                          "weight_bytes_per_step": speed["weight_bytes_per_step"],
                          **accuracy(logits, reference)})
@@ -73,7 +75,7 @@ def run(args: argparse.Namespace) -> dict:
     base = rows[0]
     for r in rows:
         r["speedup"] = r["decode_tokens_per_second"] / base["decode_tokens_per_second"]
-        r["kv_tokens_ratio"] = r["kv_tokens"] / base["kv_tokens"]
+        r["kv_tokens_ratio"] = r["kv_tokens_per_gib"] / base["kv_tokens_per_gib"]
     return {"model": str(path), "random_weights": random_weights, "mesh": args.mesh or "one device",
             "memory_bandwidth_gbps": bandwidth, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
             "rows": rows}
@@ -82,10 +84,10 @@ def run(args: argparse.Namespace) -> dict:
 def readable(r: dict) -> str:
     lines = [f"model {r['model']}{' (random weights)' if r['random_weights'] else ''} on {r['mesh']}; batch-1 "
              f"decode of {r['max_tokens']} tokens after {r['prompt_len']}; accuracy against float32, teacher-forced",
-             f"{'variant':<9} {'MiB/device':>10} {'KV tokens':>9} {'decode tok/s':>12} {'x f32':>6} {'MBU':>6} "
+             f"{'variant':<9} {'MiB/device':>10} {'KV tok/GiB':>10} {'decode tok/s':>12} {'x f32':>6} {'MBU':>6} "
              f"{'KL mean':>9} {'KL max':>9} {'max |dlogit|':>12} {'greedy':>7}"]
     for x in r["rows"]:
-        lines.append(f"{x['variant']:<9} {x['weight_bytes_per_device'] / 2**20:>10.1f} {x['kv_tokens']:>9} "
+        lines.append(f"{x['variant']:<9} {x['weight_bytes_per_device'] / 2**20:>10.1f} {x['kv_tokens_per_gib']:>10} "
                      f"{x['decode_tokens_per_second']:>12.1f} {x['speedup']:>6.2f} {x['mbu']:>6.1%} "
                      f"{x['kl_mean']:>9.2e} {x['kl_max']:>9.2e} {x['max_logit_error']:>12.4f} "
                      f"{x['greedy_agreement']:>7.1%}")

@@ -8,13 +8,14 @@
 // each 32-bit lane and an int -> float conversion; fp8 e4m3fn by rewriting its bits as float16, which F16C
 // converts, subnormals included.
 //
-// Loop order: each thread owns a range of columns, in groups whose float32 sums fit in L2. For each segment
-// of K (16 rows, within one scale block) it walks the group 64 columns (one cache line of weights a row) at a
-// time: 16 rows read side by side, sequentially, which the hardware prefetcher follows. The rows of x keep
-// their partial sums in registers for the whole segment, each converted weight used for up to 6 rows of x,
-// and fold them into the float32 sums with the block's scale once per segment and column, not per weight.
-// From 16 rows of x on, the segment's weights (128 rows) are converted once into a float panel that all rows
-// share, the classic 6 x 16 register tile on FMA.
+// Loop order: for each segment of K (16 rows, within one scale block) the weight is walked 64 columns (one
+// cache line a row) at a time: 16 rows read side by side, sequentially, which the hardware prefetcher
+// follows, each line of the next segment prefetched as this one's are read. The rows of x keep their sums in
+// registers for the whole segment, each converted weight used for up to 6 rows of x, and fold them into
+// float32 sums with the block's scale once per segment and column, not per weight. From 16 rows of x on, a
+// segment's weights (128 rows) are converted once into a float panel that all rows share, the classic 6 x 16
+// register tile on FMA. Threads (XLA's intra-op pool) split K for up to 8 rows of x, each streaming its own
+// contiguous part of the weight, and the columns for more.
 //
 // Operands: x [M, K] (f32, bf16 or f16), values [K, N] (int8 or f8e4m3fn), scale [ceil(K / block), N] f32.
 // Result: [M, N] in x's dtype; sums in float32.
@@ -78,7 +79,8 @@ constexpr int64_t kPanelRows = 16;        // rows of x from which a segment's we
 constexpr int64_t kThreadWork = 1 << 20;  // multiply-adds below which the caller runs alone
 constexpr int64_t kRowChunk = 96;         // rows of x per work item
 constexpr int64_t kAccFloats = 1 << 15;   // accumulator floats per group of columns (128 KiB: L2)
-constexpr int64_t kItems = 2;             // work items per thread, at most
+constexpr int64_t kItems = 4;             // work items per thread, at most (a thread the pool starts late
+                                          // finds the others' work taken by the rest, not waiting for it)
 constexpr int64_t kSplitRows = 8;         // rows of x up to which the threads split K (else the columns)
 
 // Sixteen fp8 e4m3fn bytes as float16 bit patterns of 2^-8 times their values: sign extension puts the sign
@@ -146,14 +148,14 @@ void segment_tile(const void* w, int64_t ldw, const float* x, int64_t ldx, int64
       for (int v = 0; v < V; v += 2) load_pair<W>(wb, v, w[v], w[v + 1]);
       #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        const __m256 b = _mm256_loadu_ps(x + k * ldx + 8 * r);
+        const __m256 b = _mm256_broadcast_ss(x + k * ldx + r);
         #pragma GCC unroll 16
         for (int v = 0; v < V; ++v) p[r][v] = _mm256_fmadd_ps(b, w[v], p[r][v]);
       }
     } else {                 // many columns for a row or two: each pair of weight vectors used as converted
       __m256 b[R];
       #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) b[r] = _mm256_loadu_ps(x + k * ldx + 8 * r);
+      for (int r = 0; r < R; ++r) b[r] = _mm256_broadcast_ss(x + k * ldx + r);
       #pragma GCC unroll 16
       for (int v = 0; v < V; v += 2) {
         __m256 lo, hi;
@@ -205,7 +207,7 @@ void segment_rows(const void* w, int64_t ldw, const float* x, int64_t ldx, int64
   const int64_t groups = (rows + kMaxRows - 1) / kMaxRows;
   for (int64_t g = 0, r = 0; g < groups; ++g) {
     const int64_t n = (rows - r) / (groups - g);
-    segment_tile_rows<W>(n, w, ldw, x + 8 * r, ldx, kn, scale, acc + r * lda, lda, width);
+    segment_tile_rows<W>(n, w, ldw, x + r, ldx, kn, scale, acc + r * lda, lda, width);
     r += n;
   }
 }
@@ -220,7 +222,8 @@ float fp8_scalar(uint8_t b) {
 
 // Runs body(i) for i in [0, n) on the caller and `helpers` tasks of XLA:CPU's intra-op pool. Work is taken
 // from a shared counter and the caller waits only for items a running thread has taken, so it never waits on
-// a task the pool has not started (no deadlock when the pool is busy).
+// a task the pool has not started (no deadlock when the pool is busy): a pool thread that starts late finds
+// less work left, or none.
 struct Progress {
   std::atomic<int64_t> next{0};
   int64_t done = 0;
@@ -319,7 +322,6 @@ struct Workspace {
   std::vector<float> floats;   // a segment's weights as floats (the panel)
   std::vector<uint8_t> bytes;  // the last tile's weights, zero-padded to 64 columns
   std::vector<char> nan;       // an fp8 segment's tiles holding a NaN
-  std::vector<float> xb;       // a segment's x, broadcast
   std::vector<float> x;        // x, float32 and transposed
   std::vector<float> sums;     // the float32 sums of each part of K
 };
@@ -337,7 +339,7 @@ struct Item {
   int64_t r0, r1, c0, c1, k0, k1;
 };
 
-// An item's sums into out (n columns a row) in T, or, where `sums` is given, as float32 into sums (the same
+// An item's sums into out (n columns a row) in T, or, where `sums` is given, into sums in float32 (the same
 // layout) for the caller to add up.
 template <typename T>
 void run_item(const Problem& p, const Item& item, T* out, float* sums) {
@@ -350,7 +352,6 @@ void run_item(const Problem& p, const Item& item, T* out, float* sums) {
   Workspace& ws = workspace;
   if (ws.acc.size() < static_cast<size_t>(rows * most)) ws.acc.resize(rows * most);
   if (ws.scales.size() < static_cast<size_t>(most)) ws.scales.resize(most);
-  if (ws.xb.size() < static_cast<size_t>(seg * rows * 8)) ws.xb.resize(seg * rows * 8);
   std::vector<float>& acc = ws.acc;
   std::vector<float>& scales = ws.scales;
   std::vector<uint8_t>& bytes = ws.bytes;
@@ -371,15 +372,12 @@ void run_item(const Problem& p, const Item& item, T* out, float* sums) {
       }
       const uint8_t* src = p.values + k0 * p.n + g0;
       const float* xk = x + k0 * p.m;
-      float* xb = &ws.xb[0];  // the segment's x, each value broadcast to 8 lanes ([k][row][8])
-      for (int64_t k = 0; k < kn; ++k)
-        for (int64_t r = 0; r < rows; ++r) _mm256_storeu_ps(xb + (k * rows + r) * 8, _mm256_set1_ps(xk[k * p.m + r]));
       if (p.fp8) find_nans(src, p.n, kn, width, nan);
       if (panel) {  // the segment's weights converted once for all rows
         floats.resize(kn * lda);
         to_panel(src, p.n, kn, width, p.fp8, nan.data(), floats.data());
         for (int64_t t = 0; t * kTile < width; ++t)
-          segment_rows<Kind::kF32>(&floats[t * kn * kTile], kTile, xb, rows * 8, kn, &scales[t * kTile], &acc[t * kTile],
+          segment_rows<Kind::kF32>(&floats[t * kn * kTile], kTile, xk, p.m, kn, &scales[t * kTile], &acc[t * kTile],
                                    lda, rows, std::min(kTile, width - t * kTile));
         continue;
       }
@@ -389,7 +387,7 @@ void run_item(const Problem& p, const Item& item, T* out, float* sums) {
         if (p.fp8 && nan[t]) {
           floats.resize(kn * kTile);
           to_panel(w, p.n, kn, cols, true, nan.data() + t, floats.data());
-          segment_rows<Kind::kF32>(floats.data(), kTile, xb, rows * 8, kn, &scales[t * kTile], &acc[t * kTile], lda, rows,
+          segment_rows<Kind::kF32>(floats.data(), kTile, xk, p.m, kn, &scales[t * kTile], &acc[t * kTile], lda, rows,
                                    cols);
           continue;
         }
@@ -401,9 +399,9 @@ void run_item(const Problem& p, const Item& item, T* out, float* sums) {
           ldw = kTile;
         }
         if (p.fp8)
-          segment_rows<Kind::kFp8>(w, ldw, xb, rows * 8, kn, &scales[t * kTile], &acc[t * kTile], lda, rows, cols);
+          segment_rows<Kind::kFp8>(w, ldw, xk, p.m, kn, &scales[t * kTile], &acc[t * kTile], lda, rows, cols);
         else
-          segment_rows<Kind::kInt8>(w, ldw, xb, rows * 8, kn, &scales[t * kTile], &acc[t * kTile], lda, rows, cols);
+          segment_rows<Kind::kInt8>(w, ldw, xk, p.m, kn, &scales[t * kTile], &acc[t * kTile], lda, rows, cols);
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -414,24 +412,25 @@ void run_item(const Problem& p, const Item& item, T* out, float* sums) {
   }
 }
 
-// Splits the work over the caller and XLA's intra-op threads. Few rows of x (memory-bound): K in equal parts,
-// so that each thread streams one contiguous range of the weight, and the parts' float32 sums are added up at
-// the end. More rows: the columns in equal parts (and chunks of rows), a multiple of the threads in number, so
-// that a thread the OS holds back delays the call by one small part.
+// Splits the work over the caller and XLA's intra-op threads, in a few parts per thread: a thread the pool
+// starts late (it often is, by hundreds of microseconds) then delays the call by one small part at most. Few
+// rows of x (memory-bound): K in equal parts, each a contiguous range of the weight streamed by one thread,
+// their float32 sums added up at the end in a fixed order. More rows: the columns in equal parts (and chunks
+// of rows).
 template <typename T>
 void quantized_matmul(const Problem& p, T* out, ffi::ThreadPool& pool) {
   static const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());  // reads sysfs
   const int64_t workers = p.m * p.k * p.n < kThreadWork ? 1 : std::min(pool.num_threads() + 1, cores);
   if (workers > 1 && p.m <= kSplitRows && p.k >= 2 * kSegmentFew * workers) {
+    const int64_t parts = std::min(workers * kItems, p.k / kSegmentFew), size = p.m * p.n;
     std::vector<float> once;
-    float* sums = scratch(workspace.sums, once, workers * p.m * p.n);
-    parallel_for(pool, workers, workers - 1, [&](int64_t i) {
-      const Item item{0, p.m, 0, p.n, i * p.k / workers, (i + 1) * p.k / workers};
-      run_item<T>(p, item, nullptr, sums + i * p.m * p.n);
+    float* sums = scratch(workspace.sums, once, parts * size);
+    parallel_for(pool, parts, workers - 1, [&](int64_t i) {
+      run_item<T>(p, Item{0, p.m, 0, p.n, i * p.k / parts, (i + 1) * p.k / parts}, nullptr, sums + i * size);
     });
-    for (int64_t j = 0; j < p.m * p.n; ++j) {
+    for (int64_t j = 0; j < size; ++j) {  // in the parts' order, whichever thread ran them: deterministic
       float total = sums[j];
-      for (int64_t i = 1; i < workers; ++i) total += sums[i * p.m * p.n + j];
+      for (int64_t i = 1; i < parts; ++i) total += sums[i * size + j];
       from_float(total, out + j);
     }
     return;

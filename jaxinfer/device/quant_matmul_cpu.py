@@ -11,6 +11,7 @@ keep `quantized_matmul_reference`.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import jax
@@ -86,8 +87,9 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *, block
 
 def _benchmark() -> None:
     """Times the dots XLA runs (float32, bfloat16), the reference and the kernel (int8, fp8, per-channel scales)
-    on one CPU device as a chain of dependent matmuls, one per weight copy, the copies 48 MB or more in all (more
-    than the L3 cache, as a model's weights are): microseconds a matmul, and GB/s of weight bytes read."""
+    on one CPU device, each as a chain of dependent matmuls, one per copy of its weight, the copies 48 MB or
+    more in all (more than the L3 cache, as a model's weights are). The variants of a shape take turns, and
+    each keeps its best time: microseconds a matmul, and GB/s of weight bytes read."""
     import argparse
     import math
     import time
@@ -97,38 +99,42 @@ def _benchmark() -> None:
     parser = argparse.ArgumentParser(description=_benchmark.__doc__)
     parser.add_argument("--m", default="1,8,64", help="rows of x")
     parser.add_argument("--shapes", default="768x768,768x2304,768x3072,768x6144,3072x768,4096x4096", help="K x N")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     rng, dev = np.random.default_rng(0), jax.devices("cpu")[0]
     int8, fp8, bf16 = np.dtype(np.int8), np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.bfloat16)
     variants = {"f32 dot": (np.dtype(np.float32), None), "bf16 dot": (bf16, None),
                 "int8 reference": (int8, quantized_matmul_reference), "int8 kernel": (int8, quantized_matmul),
                 "fp8 reference": (fp8, quantized_matmul_reference), "fp8 kernel": (fp8, quantized_matmul)}
+
+    def chain(x, weights, scales, f, k):
+        for w, s in zip(weights, scales, strict=True):   # one after the other, as layers are
+            out = x @ w if f is None else f(x, w, s, block=k)
+            x = x + (out[:, :1] * 0).astype(x.dtype)
+        return out
+
     print(f"{'M':>3} {'K x N':>10} {'variant':>15} {'us/matmul':>10} {'GB/s':>6}")
     for k, n in (map(int, s.split("x")) for s in args.shapes.split(",")):
+        runs = {}
         for name, (dtype, f) in variants.items():
             copies = max(2, math.ceil(48e6 / (k * n * dtype.itemsize)))
             weights = [jax.device_put((rng.standard_normal((k, n), np.float32) * (0.02 if f is None else 40)
                                        ).clip(-127, 127).astype(dtype), dev) for _ in range(copies)]
             scales = [jax.device_put(rng.uniform(1e-4, 2e-4, (1, n)).astype(np.float32), dev) for _ in weights]
+            run = jax.jit(functools.partial(chain, f=f, k=k))
             for m in map(int, args.m.split(",")):
                 x = jax.device_put(rng.standard_normal((m, k), np.float32).astype(np.float32 if f else dtype), dev)
-
-                def chain(x, weights, scales, f=f, k=k):
-                    for w, s in zip(weights, scales, strict=True):   # one after the other, as layers are
-                        out = x @ w if f is None else f(x, w, s, block=k)
-                        x = x + (out[:, :1] * 0).astype(x.dtype)
-                    return out
-
-                run = jax.jit(chain)
                 jax.block_until_ready(run(x, weights, scales))
-                best = math.inf
-                for _ in range(args.reps):
-                    start = time.perf_counter()
-                    jax.block_until_ready(run(x, weights, scales))
-                    best = min(best, (time.perf_counter() - start) / copies)
-                gbs = k * n * dtype.itemsize / best / 1e9
-                print(f"{m:>3} {k:>5}x{n:<5} {name:>14} {best * 1e6:>10.1f} {gbs:>6.1f}", flush=True)
+                runs[m, name] = (functools.partial(run, x, weights, scales), copies, k * n * dtype.itemsize)
+        best = dict.fromkeys(runs, math.inf)
+        for _ in range(args.rounds):
+            for key, (go, copies, _) in runs.items():
+                start = time.perf_counter()
+                jax.block_until_ready(go())
+                best[key] = min(best[key], (time.perf_counter() - start) / copies)
+        for (m, name), (_, _, nbytes) in sorted(runs.items(), key=lambda item: item[0][0]):
+            t = best[m, name]
+            print(f"{m:>3} {k:>5}x{n:<5} {name:>14} {t * 1e6:>10.1f} {nbytes / t / 1e9:>6.1f}", flush=True)
 
 
 if __name__ == "__main__":

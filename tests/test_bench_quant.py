@@ -1,0 +1,25 @@
+"""`python -m jaxinfer.bench.quant` on the llama fixture: every row's figures are what they claim."""
+
+import json
+
+from jaxinfer.bench import quant
+
+
+def test_rows_report_bytes_capacity_and_accuracy(hf_tiny, capsys):
+    cfg = json.loads((hf_tiny / "llama" / "config.json").read_text())
+    head_dim = cfg["head_dim"]
+    assert quant.main(["--model", str(hf_tiny / "llama"), "--variants", "int8", "kv-fp8", "--prompts", "2",
+                       "--prompt-len", "8", "--max-tokens", "4", "--bandwidth-mib", "16", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    base, int8, kv = r["rows"]
+    assert [x["variant"] for x in r["rows"]] == ["float32", "int8", "kv-fp8"]
+    assert base["kl_max"] == 0 and base["max_logit_error"] == 0 and base["greedy_agreement"] == 1
+    # int8 matmuls: a quarter of their float32 bytes plus a float32 scale per output column; the rest as it was
+    assert int8["weight_bytes_per_device"] < 0.6 * base["weight_bytes_per_device"]
+    assert int8["weight_bytes_per_step"] == int8["weight_bytes_per_device"]          # one device
+    # fp8 pages: a byte per element and a bfloat16 scale per vector, against 4 bytes per element
+    assert kv["kv_bytes_per_token"] * (4 * head_dim) == base["kv_bytes_per_token"] * (head_dim + 2)
+    assert kv["kv_tokens_ratio"] == (2**30 // kv["kv_bytes_per_token"]) / (2**30 // base["kv_bytes_per_token"])
+    for x in (int8, kv):
+        assert 0 < x["kl_mean"] <= x["kl_max"] < 0.02 and 0 < x["max_logit_error"] and x["greedy_agreement"] > 0.5
+        assert x["decode_tokens_per_second"] > 0 and x["speedup"] > 0
