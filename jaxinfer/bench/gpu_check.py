@@ -20,15 +20,16 @@ leaves what it measured, with "finished": false):
    buffer (bench.device_bandwidth). Items run batch by batch, pallas before xla. Then both backends decode
    the same greedy prompts at the largest batch <= 32 both measured (shapes already compiled): how many
    outputs agree token for token (with random weights, near-ties in bfloat16 may flip a token; this is a
-   sign, not a test).
+   sign, not a test). Last, the same model with its matmul weights quantized to fp8 as they load ("pallas+fp8",
+   batch 1): on Hopper an fp8 GEMM per matmul (`fp8_gemm` says whether the device has one).
 3. serving: jaxinfer.bench.serving's in-process workload on the same model shape (attention backend: auto):
    32 requests at t=0, prompts 64-128 and outputs 32-64 tokens, step budget 2048 (six step shapes to compile
    at most, as counted on CPU). The HTTP layer is not measured here (bench_serving --http needs fastapi,
    uvicorn and httpx; the report says which of them are importable).
 
 --dry-run: the same parts end to end on CPU at tiny shapes: the embedded default model's shape in float32,
-xla at batch 1 and 2 and pallas (interpret mode) at batch 1, a two-test subset of the kernel tests, one
-serving request. Its prompts are one token long, so a prefill step has a decode step's shapes and each
+xla at batch 1 and 2, pallas (interpret mode) and xla with int8 weights at batch 1, a two-test subset of the
+kernel tests, one serving request. Its prompts are one token long, so a prefill step has a decode step's shapes and each
 engine compiles one executable per batch size: the dry run checks that everything runs, not what it measures.
 
 Exit status: 0 when every part ran and passed, 1 when one failed or was skipped, 2 for bad arguments,
@@ -79,7 +80,7 @@ class Plan:
     dtype: str
     platform: str                  # JAX_PLATFORMS of the kernel tests
     kernel_tests: tuple[str, ...]  # pytest arguments
-    items: tuple[tuple[int, str], ...]  # (batch, attention backend) in the order they run
+    items: tuple[tuple[int, str], ...]  # (batch, attention backend[+weight quantization]) in the order they run
     prompt_len: int
     max_tokens: int
     num_pages: int                 # KV pages per engine: every batch's sequences at full length, and room
@@ -91,18 +92,20 @@ class Plan:
 
 GPU = Plan(
     name="gpu", model=LLAMA3_8B, model_label="Llama-3-8B shape", dtype="bfloat16", platform="cuda",
-    kernel_tests=KERNEL_TESTS, items=tuple((b, k) for b in (1, 32, 128) for k in ("pallas", "xla")),
+    kernel_tests=KERNEL_TESTS, items=(*((b, k) for b in (1, 32, 128) for k in ("pallas", "xla")),
+                                      (1, "pallas+fp8")),
     prompt_len=128, max_tokens=64,
     num_pages=2048, bandwidth_mib=2048,
     serving=("--num-requests", "32", "--prompt-len-range", "64", "128", "--output-len-range", "32", "64",
              "--max-tokens-per-step", "2048", "--num-pages", "2048"),
-    budgets=(("kernel_tests", 110.0), ("decode", 200.0), ("serving", 120.0)), serving_minimum=45.0)
+    budgets=(("kernel_tests", 110.0), ("decode", 230.0), ("serving", 90.0)), serving_minimum=45.0)
 
 DRY_RUN = Plan(
     name="dry-run", model=DEFAULT, model_label="embedded default shape", dtype="float32", platform="cpu",
     kernel_tests=(*KERNEL_TESTS, "-k", "test_reference_and_kernel and gqa3 or test_kernel_matches_reference and "
                   "float32-1"),
-    items=((1, "pallas"), (1, "xla"), (2, "xla")), prompt_len=1, max_tokens=8, num_pages=64, bandwidth_mib=8,
+    items=((1, "pallas"), (1, "xla"), (2, "xla"), (1, "xla+int8")), prompt_len=1, max_tokens=8, num_pages=64,
+    bandwidth_mib=8,
     serving=("--num-requests", "1", "--prompt-len-range", "1", "1", "--output-len-range", "4", "4",
              "--num-pages", "64"),
     budgets=(("kernel_tests", 300.0), ("decode", 300.0), ("serving", 300.0)), serving_minimum=0.0)
@@ -313,7 +316,12 @@ def decode(plan: Plan, clock: Clock, report: Report) -> None:
                     part["results"][-1]["ops"] = guarded(part, f"{backend} batch {batch}: profile", profile_decode,
                                                          plan, llm, batch, traces)
             report.save()
-        part["agreement"] = guarded(part, "backend agreement", agreement, plan, llms, part, clock)
+        if any(k.endswith("+fp8") for k in llms):
+            from jaxinfer.device.matmul import has_fp8_gemm
+
+            part["fp8_gemm"] = has_fp8_gemm(next(iter(llms.values())).layout)   # else dequantize-then-matmul
+        plain = {k: v for k, v in llms.items() if "+" not in k}   # the attention backends, same weights
+        part["agreement"] = guarded(part, "backend agreement", agreement, plan, plain, part, clock)
     finally:
         for llm in llms.values():
             llm.close()
@@ -334,11 +342,14 @@ def profile_decode(plan: Plan, llm, batch: int, directory: Path) -> dict:
                        directory, top=8)
 
 
-def random_llm(plan: Plan, config, backend: str | None):
+def random_llm(plan: Plan, config, backend: str):
+    """The engine of an item's backend key: "pallas", "xla", or "pallas+fp8" (its matmul weights quantized
+    as they load: on Hopper, fp8 GEMMs)."""
     from jaxinfer.llm import LLM
 
-    return LLM.random(plan.model, dtype=plan.dtype, seed=0,
-                      engine_config=dataclasses.replace(config, attention_backend=backend))
+    attention, _, quantization = backend.partition("+")
+    return LLM.random(plan.model, dtype=plan.dtype, seed=0, engine_config=dataclasses.replace(
+        config, attention_backend=attention, quantization=quantization or None))
 
 
 def guarded(part: dict, what: str, fn, *args, **kwargs):
@@ -359,7 +370,7 @@ def agreement(plan: Plan, llms: dict, part: dict, clock: Clock) -> dict:
     from jaxinfer.sampling import SamplingParams
 
     done = {(r["backend"], r["batch"]) for r in part["results"]}
-    common = [b for b, _ in plan.items if b <= 32 and all((name, b) in done for name in llms)]
+    common = [b for b, k in plan.items if k in llms and b <= 32 and all((name, b) in done for name in llms)]
     if len(llms) < 2 or not common:
         return {"status": "skipped", "reason": "not every backend measured a batch <= 32"}
     if clock.left("decode") < 0:
