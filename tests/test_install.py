@@ -44,7 +44,7 @@ def test_installed_files(target):
     pkg = target / "jaxinfer"
     shipped = {"jaxinfer": "", "models": "models/", "pallas_kernels": "pallas_kernels/", "meshes": "meshes/"}
     for folder, inside in shipped.items():
-        files = [f for f in (REPO / folder).rglob("*") if f.suffix in (".py", ".cc", ".toml")
+        files = [f for f in (REPO / folder).rglob("*") if f.suffix in (".py", ".cc", ".h", ".toml")
                  and "__pycache__" not in f.parts]
         assert files, folder
         for f in files:

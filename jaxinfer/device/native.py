@@ -23,6 +23,7 @@ import jax
 
 from jaxinfer.config import cache_dir
 
+HEADER = Path(__file__).with_name("parallel_for.h")   # shared by the kernels (and part of their builds' key)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp-simd", "-shared", "-fPIC")
 
 log = logging.getLogger(__name__)
@@ -41,8 +42,9 @@ def library_path(source: Path, flags: Sequence[str] = FLAGS) -> Path:
     may be shared by machines whose instruction sets differ)."""
     from jaxinfer.device.compilation_cache import host_cpu
 
-    digest = hashlib.sha256(repr((source.read_bytes(), compiler(), tuple(flags), jax.ffi.include_dir(),
-                                  jax.__version__, host_cpu())).encode()).hexdigest()[:16]
+    key = (source.read_bytes(), HEADER.read_bytes(), compiler(), tuple(flags), jax.ffi.include_dir(), jax.__version__,
+           host_cpu())
+    digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / f"{source.stem}-{digest}.so"
 
 
@@ -54,7 +56,7 @@ def build(source: Path, flags: Sequence[str] = FLAGS) -> Path:
     lib.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         out = Path(tmp) / lib.name
-        cmd = [*compiler(), *flags, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(out)]
+        cmd = [*compiler(), *flags, f"-I{HEADER.parent}", f"-I{jax.ffi.include_dir()}", str(source), "-o", str(out)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.TimeoutExpired) as e:

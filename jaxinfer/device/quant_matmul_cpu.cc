@@ -35,6 +35,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -220,41 +221,7 @@ float fp8_scalar(uint8_t b) {
   return (b & 0x80 ? -mag : mag) / kFp8Unit;
 }
 
-// Runs body(i) for i in [0, n) on the caller and `helpers` tasks of XLA:CPU's intra-op pool. Work is taken
-// from a shared counter and the caller waits only for items a running thread has taken, so it never waits on
-// a task the pool has not started (no deadlock when the pool is busy): a pool thread that starts late finds
-// less work left, or none.
-struct Progress {
-  std::atomic<int64_t> next{0};
-  int64_t done = 0;
-  std::mutex mu;
-  std::condition_variable cv;
-};
-
-template <typename Body>
-void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t helpers, const Body& body) {
-  if (helpers <= 0 || n <= 1) {
-    for (int64_t i = 0; i < n; ++i) body(i);
-    return;
-  }
-  auto progress = std::make_shared<Progress>();
-  auto work = [progress, n, &body] {
-    int64_t mine = 0;
-    for (int64_t i; (i = progress->next.fetch_add(1)) < n; ++mine) body(i);
-    if (mine > 0) {
-      std::lock_guard<std::mutex> lock(progress->mu);
-      progress->done += mine;
-      if (progress->done == n) progress->cv.notify_all();
-    }
-  };
-  for (int64_t t = 0; t < helpers; ++t) {  // a helper that starts after the work is gone touches only `progress`
-    auto task = work;
-    pool.Schedule(std::move(task));
-  }
-  work();
-  std::unique_lock<std::mutex> lock(progress->mu);
-  progress->cv.wait(lock, [&] { return progress->done == n; });
-}
+using jaxinfer::parallel_for;   // parallel_for.h
 
 struct Problem {
   int64_t m, k, n, block;
