@@ -1,13 +1,29 @@
 """Eight fake CPU devices, set before JAX starts; the CPU backend compiles without optimisation passes, which
 cuts the suite's compile time by about a fifth (tiny shapes: the programs run in microseconds either way).
-JAX_PLATFORMS=cuda runs the tests on a GPU instead (scripts/gpu_check.sh does so for the kernel tests)."""
+JAX_PLATFORMS=cuda runs the tests on a GPU instead (scripts/gpu_check.sh does so for the kernel tests).
+
+One compilation cache for the run (JAX's and the engine's step executables, jaxinfer.device.compilation_cache):
+the controller makes a fresh directory before the xdist workers start, so they and every child process inherit
+it, and removes it when the run ends. Modules that build the same model on the same mesh, in either worker,
+compile each program once. A fresh directory per run keeps every run's first compilation honest;
+JAX_ENABLE_COMPILATION_CACHE=false runs without it, JAX_COMPILATION_CACHE_DIR picks the directory."""
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
                            + (" --xla_backend_optimization_level=0" if os.environ["JAX_PLATFORMS"] == "cpu" else "")
                            ).strip()
-os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")  # tests compile afresh; test_warmup checks the cache
+RUN_CACHE = None      # the directory this process made, and removes at the end of the run
+if (os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "true") != "false"
+        and "JAX_COMPILATION_CACHE_DIR" not in os.environ):   # set by the controller for its workers
+    RUN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxinfer-test-xla-")
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if RUN_CACHE is not None:
+        shutil.rmtree(RUN_CACHE, ignore_errors=True)
 
 # ---- the Hugging Face reference fixtures (../shared/fixtures/hf-tiny) ------------------------------------
 # Everything below runs after the environment above is set; nothing here imports JAX.
@@ -213,8 +229,8 @@ def put_cpu_kernel(cpu_kernel) -> Callable[[Path], None]:
 def shared_cache(tmp_path_factory, put_cpu_kernel) -> Path:
     """One $JAXINFER_CACHE for the child processes of the whole run, both xdist workers: the random default model
     is written there once (jaxinfer.random_model.ensure: processes racing to write it are harmless) and the CPU
-    attention kernel is put there (put_cpu_kernel). The XLA compilation cache stays off in the children, as here
-    (JAX_ENABLE_COMPILATION_CACHE above); test_warmup, which tests that cache, keeps a directory of its own."""
+    attention kernel is put there (put_cpu_kernel). The children share the run's compilation cache too (above);
+    test_warmup, which tests that cache, gives its children a directory of their own."""
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent                  # the run's base directory, which holds the workers' own

@@ -94,6 +94,25 @@ class Registered(Llama):
     """An architecture defined outside jaxinfer: its source is not part of the executables' key."""
 
 
+@pytest.fixture
+def without_jax_cache():
+    """JAX's persistent cache off (the suite shares one, tests/conftest.py): the engine stores only executables
+    XLA has just compiled, never one JAX read back from its cache. JAX decides once whether its cache is in use,
+    so the decision is reset on the way in and out."""
+    import jax
+    from jax._src import compilation_cache as jax_cache
+
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    jax_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        jax_cache.reset_cache()
+
+
+@pytest.mark.usefixtures("without_jax_cache")
 def test_a_step_executable_is_kept_under_everything_it_depends_on(llm, tmp_path, monkeypatch, caplog):
     engine, runner = llm.engine, llm.engine.runner
     batch = engine.packer.pack([SchedulerOutput([])], (1, 1))
@@ -127,13 +146,14 @@ def test_the_cache_can_be_turned_off(hf_tiny, tmp_path, monkeypatch):
     import jax
 
     monkeypatch.setenv("JAXINFER_CACHE", str(tmp_path))
-    before, enabled = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", True)   # as outside the suite (conftest turns it off)
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)   # as outside the suite (conftest gives JAX the run's own)
     try:
         LLM(hf_tiny / "llama", dtype="float32", compilation_cache=False).close()
+        chosen = jax.config.jax_compilation_cache_dir
     finally:
-        jax.config.update("jax_enable_compilation_cache", enabled)
-    assert jax.config.jax_compilation_cache_dir == before and not (tmp_path / "xla").exists()
+        jax.config.update("jax_compilation_cache_dir", before)
+    assert chosen is None and not (tmp_path / "xla").exists()
 
 
 @pytest.mark.parametrize("budget, sp, sizes", [(256, 1, [16, 64, 256]), (16, 1, [16]), (2048, 1, [32, 128, 512, 2048]),
