@@ -209,7 +209,7 @@ class Llama(Model):
 
     # ---- stage functions ---------------------------------------------------------------------------
     def embed(self, w: Embedding, tokens: jax.Array, ctx: StepContext) -> jax.Array:
-        return ctx.constrain(w.table[tokens], ACTIVATIONS)   # vocabulary-parallel: an all-reduce over tp
+        return ctx.embed(w.table, tokens)   # vocabulary-parallel: an all-reduce over tp
 
     def layer(self, w: Layer, x: jax.Array, cache: PagedKVCache, layer: jax.Array,
               ctx: StepContext) -> tuple[jax.Array, PagedKVCache, jax.Array | None]:

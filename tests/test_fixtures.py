@@ -19,7 +19,7 @@ TOL = 1e-4
 DENSE = {"llama": ["", "tp=2", "dp=2,tp=2", "dp=8", "pp=4", "pp=2,sp=2,tp=2"],
          "llama3_scaled": ["", "tp=4", "dp=2,tp=2", "pp=2,tp=2", "sp=2,tp=2"],
          "qwen2": ["", "tp=8", "pp=2", "dp=2,sp=2"],    # tp=8 > KV heads: replicated
-         "qwen3": ["", "tp=8", "dp=2,pp=2", "sp=4,tp=2"]}
+         "qwen3": ["", "tp=8", "dp=2,pp=2,sp=2", "sp=4,tp=2"]}
 CASES = [(name, mesh) for name, meshes in DENSE.items() for mesh in meshes]
 
 

@@ -153,6 +153,23 @@ class StepContext:
         """bool [R, N]: which token slots of the step are real (the rest is bucket padding)."""
         return self.meta.token_seq >= 0
 
+    def embed(self, table: jax.Array, tokens: jax.Array) -> jax.Array:
+        """The rows of a vocabulary-parallel table [V, E] for tokens [R, N] -> [R, N, E]: each vocabulary shard
+        looks up the tokens it holds (zeros for the others) and one all-reduce sums them (Megatron's), spelled
+        out per device because XLA's partitioning of the plain gather aborts inside a pipeline stage for steps
+        of 256 tokens or more (jax 0.12)."""
+        axes = self.layout.mesh_axes("vocab")
+
+        def local(table: jax.Array, tokens: jax.Array) -> jax.Array:
+            rows = table.shape[0]
+            ids = tokens - (jax.lax.axis_index(axes) * rows if axes else 0)
+            held = (ids >= 0) & (ids < rows)
+            x = jnp.where(held[..., None], table[jnp.clip(ids, 0, rows - 1)], 0)
+            return jax.lax.psum(x, axes) if axes else x
+
+        return self.layout.shard_map(local, in_axes=(("vocab", "embed"), ACTIVATIONS[:2]), out_axes=ACTIVATIONS,
+                                     check_vma=False)(table, tokens)
+
     def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, layer: jax.Array,
                   inv_freq: jax.Array) -> tuple[jax.Array, PagedKVCache]:
         """RoPE on q and k, k/v written into the cache, causal attention of each token over its sequence.

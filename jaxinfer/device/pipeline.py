@@ -35,7 +35,7 @@ from jaxinfer.device.kv_cache import POOL_AXES, PagedKVCache
 from jaxinfer.device.layers import ACTIVATIONS, LayerStack, StepContext, Weights, layer_ids, restack, run_layers
 from jaxinfer.device.runner import Dispatched, ModelRunner
 from jaxinfer.models import Model
-from jaxinfer.sharding import Layout
+from jaxinfer.sharding import Layout, kv_head_repeat
 from jaxinfer.step import PipelineBatch, StepBatch, ring_order
 
 CARRY_AXES = ("layers", *ACTIVATIONS)  # [stages, replicas, tokens, hidden], sharded over pp like the layers
@@ -62,6 +62,15 @@ def split_stages(weights: Weights, num_layers: int, stages: int) -> Weights:
         out.append(LayerStack(restack(stack.weights, tuple(i for s in slots for i in s)), first=first, stages=slots))
         first += width
     return dataclasses.replace(weights, layers=tuple(out))
+
+
+def stage_specs(model: Model, layout: Layout) -> Weights:
+    """The model's weight specs as `layout` holds them: KV heads repeated for tp, the vocabulary padded to a
+    multiple of its shards, fused blocks per column shard, the layers regrouped into the pipeline's stages."""
+    cfg = model.cfg
+    specs = model.weights(kv_repeat=kv_head_repeat(cfg, layout.axis_size("kv_heads")),
+                          vocab_multiple=layout.axis_size("vocab"), column_shards=layout.axis_size("heads"))
+    return split_stages(specs, cfg.num_layers, layout.axis_size("layers"))
 
 
 def padding_slots(weights: Weights) -> int:
@@ -111,13 +120,17 @@ class PipelineRunner(ModelRunner):
         self.state = PipelineState(cache, make(), self.state.sampled)
         self._resize = jax.jit(_resize, static_argnums=(1, 2), out_shardings=layout.sharding(CARRY_AXES))
 
+    def fit_carry(self, tokens: int) -> None:
+        """The carry resized for steps of `tokens` tokens per replica (what was in it, as far as it goes)."""
+        if self.state.carry.shape[2] != tokens:
+            self.state = self.state.replace(carry=self._resize(self.state.carry, tokens, self.sp))
+
     def _tracing(self) -> contextlib.AbstractContextManager:
         return jax.set_mesh(self.layout.mesh)  # the stage's specs are resolved against it
 
     def dispatch(self, kind: str, batch: Any, phase: str | None = None) -> Dispatched:
-        tokens = batch.tokens.shape[1]
-        if kind == "step" and self.state.carry.shape[2] != tokens:
-            self.state = self.state.replace(carry=self._resize(self.state.carry, tokens, self.sp))
+        if kind == "step":
+            self.fit_carry(batch.tokens.shape[1])
         return super().dispatch(kind, batch, phase)
 
     def collect_step(self, step: Dispatched) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
@@ -207,6 +220,7 @@ class PipelineRunner(ModelRunner):
             stage, weights, state.cache, state.carry, new, batch.meta, batch.active, last, batch.prompt_targets,
             in_specs=("pp", "pp", "", "pp", "pp", "", ""), out_specs=("pp", "pp", "", "", "", "pp"))
         sampled = self.layout.constrain(state.sampled.at[:, : tokens.shape[1]].set(tokens), ("batch", None))
+        carry = self.layout.constrain(carry, CARRY_AXES)   # as the next call's program takes it, whatever its shape
         return (tokens, logprobs, counts, prompt), PipelineState(cache, carry, sampled)
 
     def _score(self, weights: Weights, state: PipelineState, batch: StepBatch):

@@ -204,6 +204,10 @@ class ModelRunner:
                 sampling: Any, ctx: StepContext) -> jax.Array:
         """The head on each sequence's last token of this step, then one token drawn per sequence: [R, S],
         and its log-probabilities [R, S, 1 + 2K] (jaxinfer.sampling.sample)."""
+        if ctx.layout.in_stage and ctx.layout.axis_size("seq") > 1 and ctx.layout.axis_size("batch") > 1:
+            # XLA's SPMD partitioner aborts on this gather inside a pipeline stage when its rows split over dp
+            # (or ep) and its tokens over sp (jax 0.12): there the stage gathers its rows' tokens whole first
+            x = ctx.constrain(x, ("batch", None, None))
         last = jnp.take_along_axis(x, logits_index[..., None], axis=1)               # per-row gather
         logits = self._real_vocab(self.model.head(head, last, ctx))                 # [R, S, V]
         R, S, _ = logits.shape
