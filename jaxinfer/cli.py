@@ -20,7 +20,8 @@ DEFAULT_MODEL_NAME = "jaxinfer-random-small"
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """What to serve and where: the flags the launcher and the server share."""
-    p.add_argument("--mesh", default="", help='axes, e.g. "tp=8" or "dp=2,tp=4", or a preset name/.toml path')
+    p.add_argument("--mesh", default="", help='axes, e.g. "tp=8" or "dp=2,tp=4", a preset name/.toml path, or "auto" '
+                   "(the layout planner's choice for the devices at hand, python -m jaxinfer.plan)")
     p.add_argument("--model", default=None, help="Hugging Face checkpoint directory "
                    "(default: an embedded small random-weight Llama that jaxinfer writes itself)")
     p.add_argument("--dtype", default="auto", choices=DTYPES)

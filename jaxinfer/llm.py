@@ -20,15 +20,17 @@ from jaxinfer.collectives import collective_report
 from jaxinfer.config import EngineConfig, ModelConfig, read_json
 from jaxinfer.device.compilation_cache import enable_compilation_cache
 from jaxinfer.device.layers import UNROLL_LAYER_BYTES, Weights, layer_bytes, one_stack_per_layer
-from jaxinfer.device.pipeline import split_stages
+from jaxinfer.device.pipeline import stage_specs
 from jaxinfer.engine.core import Completion, Engine
 from jaxinfer.engine.loop import EngineLoop, RequestStream
 from jaxinfer.mesh import MeshConfig
 from jaxinfer.models import config_from_dict, config_from_dir, model_for
+from jaxinfer.plan.auto import AUTO, auto_mesh
+from jaxinfer.plan.planner import Plan
 from jaxinfer.quant import weight_quantization
 from jaxinfer.quant_formats import quantized_specs, stored_quantization
 from jaxinfer.sampling import SamplingParams
-from jaxinfer.sharding import Layout, device_bytes, kv_head_repeat, validate
+from jaxinfer.sharding import Layout, device_bytes, validate
 from jaxinfer.tokenizer import Tokenizer, TokenizerError
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -54,7 +56,8 @@ def resolve_dtype(dtype: str, cfg: ModelConfig):
 
 
 class LLM:
-    """A Hugging Face checkpoint served on a (dp, pp, tp, ep, sp) mesh, e.g. LLM(path, mesh="tp=2")."""
+    """A Hugging Face checkpoint served on a (dp, pp, tp, ep, sp) mesh, e.g. LLM(path, mesh="tp=2"), or on the
+    layout planner's choice for the devices at hand, LLM(path, mesh="auto")."""
 
     def __init__(self, model: str | Path, mesh: str | MeshConfig = "", dtype: str = "auto",
                  engine_config: EngineConfig | None = None, **engine_args):
@@ -62,7 +65,7 @@ class LLM:
         Everything is checked before any weight is read."""
         engine_config = _engine_config(engine_config, engine_args)
         self.path: Path | None = Path(model)
-        self._check(config_from_dir(self.path), mesh, dtype)
+        self._check(config_from_dir(self.path), mesh, dtype, engine_config)
         stored = stored_quantization(read_json(self.path / "config.json"))
         if stored is not None and engine_config.quantization not in (None, stored.qtype):
             raise ValueError(f"{self.path} is stored quantized ({stored.method}, {stored.qtype}): it cannot be "
@@ -88,18 +91,23 @@ class LLM:
         engine_config = _engine_config(engine_config, engine_args)
         llm = cls.__new__(cls)
         llm.path, llm.stored_quantization = None, None
-        llm._check(config if isinstance(config, ModelConfig) else config_from_dict(config), mesh, dtype)
+        llm._check(config if isinstance(config, ModelConfig) else config_from_dict(config), mesh, dtype,
+                   engine_config)
         llm._start(engine_config, None, lambda specs: random_params(specs, llm.layout.sharding, llm.dtype, seed),
                    quantize=lambda specs: quantized_specs(specs, engine_config.quantization))
         return llm
 
-    def _check(self, config: ModelConfig, mesh: str | MeshConfig, dtype: str) -> None:
-        """The model against the mesh and the devices, and the serving dtype: before any weight exists."""
+    def _check(self, config: ModelConfig, mesh: str | MeshConfig, dtype: str, engine_config: EngineConfig) -> None:
+        """The model against the mesh and the devices, and the serving dtype: before any weight exists. "auto":
+        the layout planner's choice for the devices at hand (jaxinfer.plan.auto), its plan kept as `plan`."""
         self.config = config
+        self.dtype = resolve_dtype(dtype, self.config)
+        self.plan: Plan | None = None
+        if isinstance(mesh, str) and mesh.strip() == AUTO:
+            mesh, self.plan = auto_mesh(config, self.dtype, engine_config)
         self.mesh_config = MeshConfig.parse(mesh)
         validate(self.config, self.mesh_config)
         self.mesh_config.check_devices(len(jax.devices()))
-        self.dtype = resolve_dtype(dtype, self.config)
 
     def _start(self, engine_config: EngineConfig, tokenizer: Tokenizer | None,
                make_weights: Callable[[Weights], Weights], check: Callable[[Weights], None] = lambda specs: None,
@@ -109,11 +117,8 @@ class LLM:
         self.tokenizer = tokenizer
         self.layout = Layout(self.mesh_config.make())
         self.model = model_for(self.config)
-        specs = self.model.weights(kv_repeat=kv_head_repeat(self.config, self.layout.axis_size("kv_heads")),
-                                   vocab_multiple=self.layout.axis_size("vocab"),
-                                   column_shards=self.layout.axis_size("heads"))
+        specs = stage_specs(self.model, self.layout)
         stages = self.layout.axis_size("layers")
-        specs = split_stages(specs, self.config.num_layers, stages)
         if not self._scan_layers(engine_config.scan_layers, stages, specs):
             specs = one_stack_per_layer(specs)
         specs = quantize(specs)

@@ -105,8 +105,15 @@ class MeshConfig:
                              axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
 
 
-def mesh_for_cli(spec: str, processes: int = 1) -> MeshConfig:
-    """Parse a --mesh flag and, before JAX starts, ask XLA for the CPU devices this process needs."""
+AUTO_CPU_DEVICES = 8   # the fake CPU devices `--mesh auto` plans over where there is no accelerator
+
+
+def mesh_for_cli(spec: str, processes: int = 1) -> MeshConfig | str:
+    """Parse a --mesh flag and, before JAX starts, ask XLA for the CPU devices this process needs. "auto" stays
+    "auto" (LLM has the planner choose) with AUTO_CPU_DEVICES fake devices where there is no accelerator."""
+    if spec.strip() == "auto":
+        provide_host_devices(AUTO_CPU_DEVICES)
+        return "auto"
     mesh = MeshConfig.parse(spec)
     if mesh.size % processes:
         raise MeshError(f"mesh {mesh} has {mesh.size} devices, which {processes} processes cannot share evenly")

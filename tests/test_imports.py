@@ -16,13 +16,14 @@ LAYERS = [
      "jaxinfer.quant_formats"],
     ["jaxinfer.device", "jaxinfer.models", "jaxinfer.pallas_kernels", "jaxinfer.meshes"],
     ["jaxinfer.engine"],
+    ["jaxinfer.plan"],
     ["jaxinfer.llm", "jaxinfer.random_model", "jaxinfer.cli", "jaxinfer"],
-    ["jaxinfer.serve", "jaxinfer.launch"],
+    ["jaxinfer.serve", "jaxinfer.launch", "jaxinfer.plan.__main__", "jaxinfer.plan.calibrate"],
     ["jaxinfer.bench"],
 ]
 DEVICE = ("jaxinfer.step", "jaxinfer.device", "jaxinfer.models", "jaxinfer.pallas_kernels")
-HOST_ONLY = ("jaxinfer.engine", "jaxinfer.tokenizer", "jaxinfer.serve", "jaxinfer.bench", "jaxinfer.llm",
-             "jaxinfer.launch", "jaxinfer.cli", "jaxinfer.random_model")
+HOST_ONLY = ("jaxinfer.engine", "jaxinfer.plan", "jaxinfer.tokenizer", "jaxinfer.serve", "jaxinfer.bench",
+             "jaxinfer.llm", "jaxinfer.launch", "jaxinfer.cli", "jaxinfer.random_model")
 
 
 def modules() -> dict[str, Path]:

@@ -67,6 +67,12 @@ class PagedKVCache:
         return cls(k=make(shape, stored), v=make(shape, stored), k_scale=make(scales, SCALE_DTYPE),
                    v_scale=make(scales, SCALE_DTYPE))
 
+    @classmethod
+    def shapes(cls, *args, **kwargs) -> PagedKVCache:
+        """The jax.ShapeDtypeStructs (shardings included) of `zeros(*args, **kwargs)`, nothing allocated: enough
+        to compile the steps that would use it."""
+        return jax.eval_shape(lambda: cls.zeros(*args, **kwargs))
+
     @property
     def quantized(self) -> bool:
         return self.k_scale is not None

@@ -104,7 +104,9 @@ class Engine:
     """The requests, the per-replica schedulers and the device runner of one model on one mesh."""
 
     def __init__(self, model: Model, layout: Layout, weights: Weights, dtype, config: EngineConfig | None = None,
-                 tokenizer: Tokenizer | None = None):
+                 tokenizer: Tokenizer | None = None, allocate: bool = True):
+        """weights: arrays, or their shapes while they load (LLM sets the runner's when they have); allocate=False:
+        the KV pool's shapes only, for an engine that compiles its steps and never runs them (jaxinfer.plan)."""
         self.config = config = config or EngineConfig()
         self.cfg, self.layout, self.dtype, self.tokenizer = model.cfg, layout, dtype, tokenizer
         cfg = self.cfg
@@ -120,9 +122,9 @@ class Engine:
         self.pages_per_replica = self.sp * pool_pages(config, device, device_bytes(weights, device), per_page,
                                                       cfg.context_length)
         replicas = layout.axis_size("batch")                              # dp x ep replicas
-        cache = PagedKVCache.zeros(self.stages * weights.stage_layers, self.kv_heads,
-                                   replicas * self.pages_per_replica, config.page_size, cfg.head_dim, dtype, layout,
-                                   config.kv_cache_dtype)
+        make_cache = PagedKVCache.zeros if allocate else PagedKVCache.shapes
+        cache = make_cache(self.stages * weights.stage_layers, self.kv_heads, replicas * self.pages_per_replica,
+                           config.page_size, cfg.head_dim, dtype, layout, config.kv_cache_dtype)
         self.kv_cache_dtype = jnp.dtype(cache.k.dtype).name      # what the pages hold: the model's dtype, int8, ...
         self.kv_bytes_per_token = per_page // config.page_size    # per device, all layers, scales included
         self.packer = packer = Packer(config.page_size, self.pages_per_replica, min(cfg.context_length, self.capacity),

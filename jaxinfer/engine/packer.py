@@ -161,16 +161,16 @@ class Packer:
         return pack(outputs, self.page_size, self.pool_pages, self.table_width, shape or self.shape(outputs),
                     self.sp, failures)
 
-    def pack_stages(self, stages: list[Microbatch],
-                    failures: dict[str, BaseException] | None = None) -> StepBatch | PipelineBatch:
+    def pack_stages(self, stages: list[Microbatch], failures: dict[str, BaseException] | None = None,
+                    shape: tuple[int, int] | None = None) -> StepBatch | PipelineBatch:
         """The microbatch each pipeline stage runs in one call (stages[s] at stage s; stages[0], just scheduled,
-        never None); one stage: a plain step. Every stage takes one shared bucket (and, under sp, one kind of
-        attention: the ring if any stage prefills)."""
+        never None); one stage: a plain step. Every stage takes one shared bucket (`shape` where given, at least
+        each stage's own; under sp, one kind of attention: the ring if any stage prefills)."""
         if self.stages == 1:
-            return self.pack(stages[0], failures=failures)
+            return self.pack(stages[0], shape, failures)
         empty = [SchedulerOutput([])] * len(stages[0])
         outputs = [mb or empty for mb in stages]
-        shape = tuple(map(max, *(self.shape(o) for o in outputs)))
+        shape = shape or tuple(map(max, *(self.shape(o) for o in outputs)))
         ring = self.sp > 1 and any(o.prefill for mb in outputs for o in mb)
         batches = [b.replace(meta=b.meta.replace(ring=ring)) for b in (self.pack(o, shape, failures) for o in outputs)]
         meta = jax.tree.map(lambda *m: np.stack(m), *(b.meta for b in batches))

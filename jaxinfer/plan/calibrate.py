@@ -1,0 +1,101 @@
+"""`python -m jaxinfer.plan --calibrate`: this machine's figures for the planner's "cpu" device kind, measured
+with every one of N devices busy at once and stored as the host's (N times a device's share; the planner
+splits them over the devices of a mesh, jaxinfer.plan.hardware):
+- memory bandwidth: a sum over a float32 array of 32 MiB per device (bigger than the caches);
+- matmul rate per weight dtype: [256, 1024] x [1024, 1024] per device in float32 and bfloat16; int8 and fp8
+  weights, which XLA:CPU has no units for, at the rate of their bfloat16 matmul after a dequantize;
+- collectives: an all-reduce over all N devices of 4 bytes (the latency) and of 4 MiB (the bandwidth);
+- step overhead: a decode step of a one-layer model 64 wide on one device (the engine's host work per step:
+  schedule, pack, dispatch, fetch).
+Each figure is the best of a few repetitions. Stored in jaxinfer.plan.hardware.calibration_path() by device count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxinfer.plan.hardware import DeviceKind, calibration_path
+
+REPEATS = 5
+
+
+def best_seconds(fn: Callable[[], object], repeats: int = REPEATS) -> float:
+    jax.block_until_ready(fn())   # compile, warm
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _sharded(mesh, shape, dtype, key=0):
+    sharding = NamedSharding(mesh, PartitionSpec("d"))
+    return jax.jit(lambda: jax.random.normal(jax.random.key(key), shape, jnp.float32).astype(dtype),
+                   out_shardings=sharding)()
+
+
+def memory_bandwidth(mesh, n: int) -> float:
+    words = 8 << 20                                          # 32 MiB of float32 per device
+    x = _sharded(mesh, (n, words), jnp.float32)
+    total = jax.jit(lambda x: jnp.sum(x, axis=1))
+    return words * 4 / best_seconds(lambda: total(x))
+
+
+def matmul_rate(mesh, n: int, dtype) -> float:
+    m, k = 256, 1024
+    a, b = _sharded(mesh, (n, m, k), dtype), _sharded(mesh, (n, k, k), dtype, key=1)
+    mm = jax.jit(lambda a, b: jnp.einsum("nmk,nkj->nmj", a, b, preferred_element_type=jnp.float32))
+    return 2 * m * k * k / best_seconds(lambda: mm(a, b))
+
+
+def all_reduce_seconds(mesh, n: int, words: int) -> float:
+    x = _sharded(mesh, (n, words), jnp.float32)
+    reduce = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "d"), mesh=mesh, in_specs=PartitionSpec("d"),
+                                   out_specs=PartitionSpec("d")))
+    return best_seconds(lambda: reduce(x))
+
+
+def step_overhead(devices: int) -> float:
+    from jaxinfer.llm import LLM
+    from jaxinfer.sampling import SamplingParams
+
+    config = dict(architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
+    with LLM.random(config, mesh=f"dp={devices}", dtype="float32", num_pages=16, compilation_cache=False) as llm:
+        params = SamplingParams(max_tokens=33, temperature=0, ignore_eos=True)
+        llm.generate([[1, 2, 3]], params)                      # compiles
+        t0 = time.perf_counter()
+        llm.generate([[1, 2, 3]], params)
+        return (time.perf_counter() - t0) / params.max_tokens
+
+
+def calibrate(devices: int) -> DeviceKind:
+    """Measure on `devices` CPU devices (set up by the caller before JAX starts) and store the result."""
+    cpus = jax.devices("cpu")
+    if len(cpus) < devices:
+        raise ValueError(f"calibrating for {devices} devices needs that many CPU devices, JAX has {len(cpus)}")
+    mesh = jax.make_mesh((devices,), ("d",), devices=cpus[:devices])
+    small, large = all_reduce_seconds(mesh, devices, 1), all_reduce_seconds(mesh, devices, 1 << 20)
+    bf16 = matmul_rate(mesh, devices, jnp.bfloat16)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    kind = DeviceKind("cpu", memory / devices, devices * memory_bandwidth(mesh, devices),
+                      {"float32": devices * matmul_rate(mesh, devices, jnp.float32), "bfloat16": devices * bf16,
+                       "int8": devices * bf16, "fp8": devices * bf16},
+                      link_bandwidth=(4 << 20) / max(large - small, 1e-9), link_latency=small,
+                      step_overhead=step_overhead(devices),
+                      source=f"calibrated {time.strftime('%Y-%m-%d')} on {os.cpu_count()} cores, {devices} devices",
+                      shared=True, dense_experts=True)
+    path = calibration_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stored = json.loads(path.read_text()) if path.is_file() else {}
+    stored[str(devices)] = kind.to_json()
+    path.write_text(json.dumps(stored, indent=1))
+    return kind

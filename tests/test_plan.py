@@ -1,0 +1,115 @@
+"""The layout planner: its collectives and bytes against the engine's compiled programs and loaded arrays, its
+ranking and exclusions, `--mesh auto`, and bad input."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxinfer import SamplingParams
+from jaxinfer.config import EngineConfig
+from jaxinfer.mesh import MeshConfig, MeshError
+from jaxinfer.models import config_from_dir
+from jaxinfer.plan import Workload, layouts, plan
+from jaxinfer.plan.__main__ import main
+from jaxinfer.plan.auto import auto_mesh
+from jaxinfer.plan.compiled import compile_layout
+from jaxinfer.plan.hardware import device_kind
+from jaxinfer.sharding import validate
+
+# layouts other modules serve too (tiny_llm shares their engines and the run's compilation cache their programs)
+MEASURED = [("llama", "tp=2"), ("llama", "dp=2,tp=2"), ("llama", "pp=2"), ("llama", "sp=2"), ("qwen3_moe", "ep=2,tp=2")]
+
+
+@pytest.mark.parametrize("name, mesh", MEASURED)
+def test_the_planners_collectives_and_bytes_are_the_engines(tiny_llm, hf_tiny, name, mesh):
+    llm = tiny_llm(name, mesh, max_tokens_per_step=16)
+    llm.generate([list(range(3, 23))], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))  # 16 + 4, decode
+    planned = compile_layout(llm.config, llm.mesh_config, llm.dtype, llm.engine.config, 1)
+    measured = llm.collective_report()
+    assert (planned.prefill, planned.decode) == (measured["prefill"], measured["decode"])
+    assert sum(r["count"] for r in planned.decode.values()) > 0
+    assert planned.weight_bytes == llm.parameter_bytes_per_device()
+    assert planned.kv_bytes_per_token == llm.engine.kv_bytes_per_token
+
+
+def test_workload_parsing_and_the_layouts_a_model_admits(hf_tiny):
+    assert Workload.parse("prompt=100, concurrency=3") == Workload(prompt=100, output=256, concurrency=3)
+    for bad, why in [("prompt=1,prompt=2", "twice"), ("prompt", "cannot read"), ("tokens=3", "cannot read"),
+                     ("output=x", "not an integer"), ("concurrency=0", "at least 1")]:
+        with pytest.raises(ValueError, match=why):
+            Workload.parse(bad)
+    cfg = config_from_dir(hf_tiny / "llama")               # 8 heads, 2 KV heads, 4 layers, 512-token context
+    found = layouts(cfg, 8, Workload(concurrency=2))
+    for mesh in found:
+        validate(cfg, mesh)
+        assert mesh.size == 8 and mesh.dp * mesh.ep <= 2 and mesh.ep == 1
+    assert MeshConfig(dp=2, tp=4) in found and MeshConfig(pp=8) not in found and MeshConfig(dp=8) not in found
+    with pytest.raises(MeshError, match="no layout of LlamaForCausalLM uses 4096 devices"):
+        layouts(cfg, 4096, Workload(concurrency=1))       # tp <= 8, pp <= 4, sp <= 32 pages
+
+
+def test_what_does_not_fit_is_last_and_targets_exclude(hf_tiny):
+    cfg = config_from_dir(hf_tiny / "llama")
+    kind = dataclasses.replace(device_kind("cpu", 8), memory_bytes=700 * 2**10)  # a replica's weights: 834 KiB
+    config = EngineConfig(max_tokens_per_step=16)
+    loose = plan(cfg, 2, kind, Workload(prompt=32, output=8, concurrency=2), jnp.float32, config, prune=4)
+    fits = [c for c in loose.ranked if c.fits]
+    last = loose.ranked[len(fits):]                       # ranked last, each with its reason
+    assert sorted(str(c.mesh) for c in last) == ["dp=2", "sp=2"]   # a whole replica's weights on each device
+    assert all(c.excluded.startswith("does not fit") and c.compiled.weight_bytes > 0.9 * kind.memory_bytes
+               for c in last)
+    assert fits and loose.best.fits
+    tight = plan(cfg, 2, kind, Workload(prompt=32, output=8, concurrency=2), jnp.float32, config, tpot_s=1e-6,
+                 prune=4)
+    assert all(c.excluded for c in tight.ranked)
+    assert all(c.excluded.startswith("misses TPOT") for c in tight.ranked if c.fits and c.compiled_programs)
+    assert tight.why().startswith("no layout meets every target") and tight.best.fits
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4, 8])
+def test_mesh_auto_picks_a_valid_layout_that_serves_the_reference(tiny_llm, hf_tiny, golden, check_reference,
+                                                                  devices):
+    cfg = config_from_dir(hf_tiny / "llama")
+    mesh, result = auto_mesh(cfg, jnp.float32, EngineConfig(), devices=jax.devices()[:devices], compiles=1)
+    validate(cfg, mesh)
+    assert mesh.size == devices and result.best.mesh == mesh and result.best.compiled_programs
+    assert check_reference(tiny_llm("llama", str(mesh) if mesh.size > 1 else ""), golden("llama")) > 0
+
+
+def test_llm_mesh_auto_uses_every_device(hf_tiny, monkeypatch):
+    from jaxinfer import LLM
+    from jaxinfer.plan import auto
+
+    monkeypatch.setattr(auto, "AUTO_COMPILES", 1)           # the search itself: test_mesh_auto_picks_...
+    with LLM(hf_tiny / "qwen3_moe", mesh="auto", dtype="float32") as llm:
+        assert llm.mesh_config.size == len(jax.devices()) and llm.plan.best.mesh == llm.mesh_config
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0))[0]
+        assert len(out.token_ids) == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "tpu9"], "unknown device kind 'tpu9'"),
+    (["--workload", "prompt=lots"], "workload prompt='lots' is not an integer"),
+    (["--devices", "4096", "--workload", "concurrency=1"], "no layout of LlamaForCausalLM uses 4096 devices"),
+    (["--devices", "0"], "must be at least 1"),
+    (["--model", "/nonexistent"], "neither a checkpoint directory"),
+])
+def test_bad_input_is_a_clear_message_and_status_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
+
+
+def test_bench_plan_holds_predictions_against_measurement():
+    from jaxinfer.bench.plan import parse_args, readable, run
+
+    r = run(parse_args(["--layouts", "tp=2", "--moe-layouts", "--prompt", "16", "--output", "4",
+                        "--concurrency", "2", "--max-tokens-per-step", "16"]))
+    (row,) = r["rows"]
+    assert row["mesh"] == "tp=2" and r["choice"]["dense"]["chosen"] == "tp=2"
+    for key in ("decode_step_s", "prefill_step_s", "tokens_per_s"):
+        assert row["predicted"][key] > 0 and row["measured"][key] > 0
+        assert row["ratio"][key] == row["measured"][key] / row["predicted"][key]
+    assert "tp=2" in readable(r)
