@@ -42,8 +42,8 @@ def test_every_part_ran_and_passed(dry_run):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert r["finished"] and r["dry_run"] and r["plan"] == "dry-run"
     assert 0 < r["wall_seconds"] < seconds
-    assert {p: r[p]["status"] for p in ("kernel_tests", "decode", "serving")} == dict.fromkeys(
-        ("kernel_tests", "decode", "serving"), "ok")
+    parts = ("kernel_tests", "decode", "serving", "calibration")
+    assert {p: r[p]["status"] for p in parts} == dict.fromkeys(parts, "ok")
     assert r["device"]["platform"] == "cpu"
     assert r["environment"]["packages"] == {**dict.fromkeys(BLOCKED, False), "pytest": True}
     assert any("fastapi, uvicorn, httpx not importable" in n for n in r["notes"])
@@ -93,11 +93,20 @@ def test_serving_figures(dry_run):
     assert s["attention_backend"] == "cpu"   # the C++ kernel, the CPU default
 
 
+def test_calibration_figures(dry_run):
+    """The planner's figures measured on the device; a CPU has no datasheet kind to set them against."""
+    c = dry_run[0]["calibration"]
+    got = c["measured"]
+    assert got["memory_bandwidth"] > 0 and got["step_overhead"] > 0
+    assert set(got["matmul_flops"]) == {"float32", "bfloat16"} and min(got["matmul_flops"].values()) > 0
+    assert "assumed" not in c and "link_latency" not in got     # one device: no collective to time
+
+
 def test_markdown_mirrors_the_json(dry_run):
     r, md, _, _ = dry_run
     assert md.startswith("# jaxinfer GPU check (dry run on CPU)")
     for heading in ("## Kernel tests (interpret mode)", "## Decode", "## Serving (bench_serving, in-process streams)",
-                    "## Notes"):
+                    "## Calibration (the layout planner's figures)", "## Notes"):
         assert heading in md
     for x in r["decode"]["results"]:
         assert f"| {x['backend']} | {x['batch']} | {x['decode_tokens_per_second']:,.1f} | " in md
@@ -107,6 +116,7 @@ def test_markdown_mirrors_the_json(dry_run):
             assert row in md
     assert f"| {r['kernel_tests']['passed']} | 0 | 0 | 0 |" in md
     assert f"| 1/1 | {r['serving']['duration_s']:.2f} |" in md
+    assert f"| memory bandwidth, GB/s | {r['calibration']['measured']['memory_bandwidth'] / 1e9:.3g} | - | - |" in md
 
 
 def test_parts_pass_unused_time_on():

@@ -26,6 +26,9 @@ leaves what it measured, with "finished": false):
    32 requests at t=0, prompts 64-128 and outputs 32-64 tokens, step budget 2048 (six step shapes to compile
    at most, as counted on CPU). The HTTP layer is not measured here (bench_serving --http needs fastapi,
    uvicorn and httpx; the report says which of them are importable).
+4. calibration: the layout planner's figures measured on the device (jaxinfer.plan.calibrate.measure: memory
+   bandwidth, float32 and bfloat16 matmul rates, the engine's host work per step), set against the
+   datasheet-based figures the planner assumes for that device kind (jaxinfer.plan.hardware).
 
 --dry-run: the same parts end to end on CPU at tiny shapes: the embedded default model's shape in float32,
 xla at batch 1 and 2, pallas (interpret mode) and xla with int8 weights at batch 1, a two-test subset of the
@@ -88,6 +91,7 @@ class Plan:
     serving: tuple[str, ...]       # bench_serving flags
     budgets: tuple[tuple[str, float], ...]
     serving_minimum: float         # seconds the serving part needs at least to be started
+    probe: tuple[int, int, int]    # calibration: float32 words of the bandwidth probe, the matmul's m and k
 
 
 GPU = Plan(
@@ -98,7 +102,8 @@ GPU = Plan(
     num_pages=2048, bandwidth_mib=2048,
     serving=("--num-requests", "32", "--prompt-len-range", "64", "128", "--output-len-range", "32", "64",
              "--max-tokens-per-step", "2048", "--num-pages", "2048"),
-    budgets=(("kernel_tests", 110.0), ("decode", 230.0), ("serving", 90.0)), serving_minimum=45.0)
+    budgets=(("kernel_tests", 110.0), ("decode", 230.0), ("serving", 75.0), ("calibration", 15.0)),
+    serving_minimum=45.0, probe=(256 << 20, 8192, 8192))
 
 DRY_RUN = Plan(
     name="dry-run", model=DEFAULT, model_label="embedded default shape", dtype="float32", platform="cpu",
@@ -108,7 +113,8 @@ DRY_RUN = Plan(
     bandwidth_mib=8,
     serving=("--num-requests", "1", "--prompt-len-range", "1", "1", "--output-len-range", "4", "4",
              "--num-pages", "64"),
-    budgets=(("kernel_tests", 300.0), ("decode", 300.0), ("serving", 300.0)), serving_minimum=0.0)
+    budgets=(("kernel_tests", 300.0), ("decode", 300.0), ("serving", 300.0), ("calibration", 300.0)),
+    serving_minimum=0.0, probe=(1 << 16, 64, 256))
 
 
 class TimeUp(BaseException):
@@ -143,6 +149,7 @@ class Report:
             "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "wall_seconds": 0.0,
             "environment": environment(), "budgets_s": dict(plan.budgets), "notes": [], "warnings": [],
             "kernel_tests": {"status": "not run"}, "decode": {"status": "not run"}, "serving": {"status": "not run"},
+            "calibration": {"status": "not run"},
         }
         self.t0 = time.monotonic()
 
@@ -430,6 +437,34 @@ def serving(plan: Plan, clock: Clock, report: Report) -> None:
     part["status"] = "ok" if result is not None else "failed"
 
 
+def calibration(plan: Plan, clock: Clock, report: Report) -> None:
+    """The planner's figures measured here, beside the ones it assumes for this device kind."""
+    import jax
+
+    from jaxinfer.plan.auto import local_device_kind
+    from jaxinfer.plan.calibrate import measure
+    from jaxinfer.plan.hardware import KINDS
+
+    part = report.data["calibration"] = {"status": "running", "errors": []}
+    words, m, k = plan.probe
+    device = jax.devices()[0]
+    measured = guarded(part, "measuring", measure, [device], words=words, m=m, k=k)
+    if measured is None:
+        part["status"] = "failed"
+        return
+    part["measured"] = measured
+    try:
+        kind = KINDS.get(local_device_kind(device))
+    except ValueError:   # a GPU the planner has no figures for
+        kind = None
+    if kind is not None:
+        assumed = {"memory_bandwidth": kind.memory_bandwidth, "step_overhead": kind.step_overhead,
+                   "matmul_flops": {d: kind.rate(d) for d in measured["matmul_flops"]}}
+        part.update(kind=kind.name, source=kind.source, assumed=assumed)
+    part["seconds_left"] = clock.left("calibration")
+    part["status"] = "ok"
+
+
 # ---- markdown -------------------------------------------------------------------------------------------------
 def markdown(r: dict) -> str:
     env, dev = r["environment"], r.get("device") or {}
@@ -438,12 +473,32 @@ def markdown(r: dict) -> str:
              f"{r['wall_seconds']:.0f} s. Device: {dev.get('device_kind', '?')} x {dev.get('device_count', '?')} "
              f"({dev.get('platform', '?')}). Python {env['python']}, jax {env['jax']}, jaxlib {env['jaxlib']}"
              + "".join(f", {k} {v}" for k, v in env["jax_cuda_plugin"].items()) + ".", ""]
-    lines += kernel_lines(r["kernel_tests"]) + decode_lines(r["decode"]) + serving_lines(r["serving"])
+    lines += (kernel_lines(r["kernel_tests"]) + decode_lines(r["decode"]) + serving_lines(r["serving"])
+              + calibration_lines(r["calibration"]))
     if r["notes"]:
         lines += ["## Notes", "", *(f"- {n}" for n in r["notes"]), ""]
     if r["warnings"]:
         lines += ["## Warnings", "", *(f"- {w['category']} x{w['count']}: {w['message']}" for w in r["warnings"]), ""]
     return "\n".join(lines)
+
+
+def calibration_lines(c: dict) -> list[str]:
+    lines = ["## Calibration (the layout planner's figures)", "", *status_line(c)]
+    if "measured" not in c:
+        return lines + [f"- {e}" for e in c.get("errors", [])]
+    got, assumed = c["measured"], c.get("assumed")
+    rows = [("memory bandwidth, GB/s", got["memory_bandwidth"] / 1e9,
+             assumed and assumed["memory_bandwidth"] / 1e9),
+            *((f"{d} matmul, TFLOP/s", got["matmul_flops"][d] / 1e12, assumed and assumed["matmul_flops"][d] / 1e12)
+              for d in got["matmul_flops"]),
+            ("host work per step, ms", got["step_overhead"] * 1e3, assumed and assumed["step_overhead"] * 1e3)]
+    lines += [f"Planner's kind: {c.get('kind', 'none for this device')}" + (f" ({c['source']})" if c.get("source")
+                                                                           else ""), "",
+              "| figure | measured | assumed | measured / assumed |", "| --- | --- | --- | --- |"]
+    for name, value, want in rows:
+        ratio = f"{value / want:.2f}" if want else "-"
+        lines.append(f"| {name} | {value:.3g} | {f'{want:.3g}' if want else '-'} | {ratio} |")
+    return lines + [""]
 
 
 def gbps(x: float) -> str:
@@ -580,7 +635,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.dry_run and jax.default_backend() != "gpu":
             report.note(f"no GPU: JAX's default backend is {jax.default_backend()!r}; the decode and serving parts "
                         "need one (use --dry-run on CPU)")
-            report.data["decode"] = report.data["serving"] = {"status": "skipped", "reason": "no GPU"}
+            report.data["decode"] = report.data["serving"] = report.data["calibration"] = {
+                "status": "skipped", "reason": "no GPU"}
         else:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("default")
@@ -593,6 +649,9 @@ def run(args: argparse.Namespace) -> int:
                 report.save()
                 serving(plan, clock, report)
                 record_warnings(caught, report)
+                report.save()
+                calibration(plan, clock, report)
+                record_warnings(caught, report)
         report.data["finished"] = True
     except TimeUp:
         report.note(f"stopped by SIGTERM after {clock.elapsed():.0f} s: the parts after that point did not run")
@@ -600,7 +659,7 @@ def run(args: argparse.Namespace) -> int:
         return 124
     finally:
         report.save()
-    ok = all(report.data[p]["status"] == "ok" for p in ("kernel_tests", "decode", "serving"))
+    ok = all(report.data[p]["status"] == "ok" for p in ("kernel_tests", "decode", "serving", "calibration"))
     return 0 if ok else 1
 
 

@@ -42,15 +42,14 @@ def _sharded(mesh, shape, dtype, key=0):
                    out_shardings=sharding)()
 
 
-def memory_bandwidth(mesh, n: int) -> float:
-    words = 8 << 20                                          # 32 MiB of float32 per device
+def memory_bandwidth(mesh, n: int, words: int = 8 << 20) -> float:
+    """words: float32 per device (32 MiB: bigger than a CPU's caches)."""
     x = _sharded(mesh, (n, words), jnp.float32)
     total = jax.jit(lambda x: jnp.sum(x, axis=1))
     return words * 4 / best_seconds(lambda: total(x))
 
 
-def matmul_rate(mesh, n: int, dtype) -> float:
-    m, k = 256, 1024
+def matmul_rate(mesh, n: int, dtype, m: int = 256, k: int = 1024) -> float:
     a, b = _sharded(mesh, (n, m, k), dtype), _sharded(mesh, (n, k, k), dtype, key=1)
     mm = jax.jit(lambda a, b: jnp.einsum("nmk,nkj->nmj", a, b, preferred_element_type=jnp.float32))
     return 2 * m * k * k / best_seconds(lambda: mm(a, b))
@@ -61,6 +60,22 @@ def all_reduce_seconds(mesh, n: int, words: int) -> float:
     reduce = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "d"), mesh=mesh, in_specs=PartitionSpec("d"),
                                    out_specs=PartitionSpec("d")))
     return best_seconds(lambda: reduce(x))
+
+
+def measure(devices: list, words: int = 8 << 20, m: int = 256, k: int = 1024) -> dict:
+    """The figures of `devices` (any platform), each device busy at once: per device, except the collectives'.
+    words, m and k size the bandwidth and matmul probes (an accelerator needs larger ones than the defaults,
+    which are a CPU's)."""
+    n = len(devices)
+    mesh = jax.make_mesh((n,), ("d",), devices=devices)
+    figures = {"memory_bandwidth": memory_bandwidth(mesh, n, words),
+               "matmul_flops": {"float32": matmul_rate(mesh, n, jnp.float32, m, k),
+                                "bfloat16": matmul_rate(mesh, n, jnp.bfloat16, m, k)},
+               "step_overhead": step_overhead(n)}
+    if n > 1:
+        small, large = all_reduce_seconds(mesh, n, 1), all_reduce_seconds(mesh, n, 1 << 20)
+        figures.update(link_latency=small, link_bandwidth=(4 << 20) / max(large - small, 1e-9))
+    return figures
 
 
 def step_overhead(devices: int) -> float:
@@ -82,15 +97,13 @@ def calibrate(devices: int) -> DeviceKind:
     cpus = jax.devices("cpu")
     if len(cpus) < devices:
         raise ValueError(f"calibrating for {devices} devices needs that many CPU devices, JAX has {len(cpus)}")
-    mesh = jax.make_mesh((devices,), ("d",), devices=cpus[:devices])
-    small, large = all_reduce_seconds(mesh, devices, 1), all_reduce_seconds(mesh, devices, 1 << 20)
-    bf16 = matmul_rate(mesh, devices, jnp.bfloat16)
+    f = measure(cpus[:devices])
+    bf16 = devices * f["matmul_flops"]["bfloat16"]
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    kind = DeviceKind("cpu", memory / devices, devices * memory_bandwidth(mesh, devices),
-                      {"float32": devices * matmul_rate(mesh, devices, jnp.float32), "bfloat16": devices * bf16,
-                       "int8": devices * bf16, "fp8": devices * bf16},
-                      link_bandwidth=(4 << 20) / max(large - small, 1e-9), link_latency=small,
-                      step_overhead=step_overhead(devices),
+    kind = DeviceKind("cpu", memory / devices, devices * f["memory_bandwidth"],
+                      {"float32": devices * f["matmul_flops"]["float32"], "bfloat16": bf16, "int8": bf16, "fp8": bf16},
+                      link_bandwidth=f.get("link_bandwidth", 1e12), link_latency=f.get("link_latency", 0.0),
+                      step_overhead=f["step_overhead"],
                       source=f"calibrated {time.strftime('%Y-%m-%d')} on {os.cpu_count()} cores, {devices} devices",
                       shared=True, dense_experts=True)
     path = calibration_path()
