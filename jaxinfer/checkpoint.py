@@ -205,6 +205,14 @@ class QuantSpec:
 Spec = ParamSpec | FusedSpec | QuantSpec
 
 
+def fuse(parts: Sequence[jax.Array], spec: FusedSpec) -> jax.Array:
+    """The parts' arrays (each in its ParamSpec's layout) laid out as `spec`'s one array, shard by shard."""
+    d = spec.block_axis
+    blocks = [x.reshape(*x.shape[:d], spec.shards, w, *x.shape[d + 1:]) for x, w in zip(parts, spec.widths,
+                                                                                      strict=True)]
+    return jnp.concatenate(blocks, axis=d + 1)
+
+
 def unfuse(y: jax.Array, widths: Sequence[int], axis: int) -> list[jax.Array]:
     """The output of a matmul with a fused weight (jaxinfer.checkpoint.FusedSpec), [..., G, sum(widths), ...]
     with its G blocks at `axis`, -> one array per part, [..., G * width, ...]. Block g's columns of a part
@@ -288,9 +296,9 @@ class Checkpoint:
                 if t not in self.files[n].tensors:
                     raise CheckpointError(f"{index} places {t!r} in {n}, but that file does not hold it")
 
-    def dtype(self, name: str) -> str:
-        """A tensor's dtype as the file names it (e.g. "BF16", "F8_E4M3")."""
-        return self.where[name].tensors[name]["dtype"]
+    def dtype(self, name: str) -> str | None:
+        """A tensor's dtype as the file names it (e.g. "BF16", "F8_E4M3"); None if no file holds it."""
+        return self.where[name].tensors[name]["dtype"] if name in self.where else None
 
     def check(self, specs: Any) -> None:
         """Every tensor present with the shape the config implies and a dtype jaxinfer reads, before anything
@@ -412,7 +420,7 @@ def named_specs(specs: Any) -> list[tuple[str, Spec]]:
     return [(jax.tree_util.keystr(path, simple=True, separator="."), spec) for path, spec in leaves]
 
 
-def load_params(ckpt: Checkpoint, specs: Any, sharding_of: Callable, dtype) -> Any:
+def load_params(ckpt: Checkpoint, specs: Any, sharding_of: Callable, dtype, progress: bool = True) -> Any:
     """The pytree of specs as sharded arrays; jax asks for each device's slice and only that slice is
     read and cast (a fused weight's slice from its parts' tensors)."""
     ckpt.check(specs)
@@ -426,7 +434,8 @@ def load_params(ckpt: Checkpoint, specs: Any, sharding_of: Callable, dtype) -> A
         return jax.make_array_from_callback(spec.shape, sharding_of(spec.axes), one)
 
     for i, (key, spec) in enumerate(named):
-        _progress(i, len(named), key)
+        if progress:
+            _progress(i, len(named), key)
         for fused in (s for s in (spec, getattr(spec, "weight", None)) if isinstance(s, FusedSpec)):
             check_fused(key, fused, sharding_of)
         if not isinstance(spec, QuantSpec):
@@ -438,7 +447,8 @@ def load_params(ckpt: Checkpoint, specs: Any, sharding_of: Callable, dtype) -> A
             full = read(spec.weight, np.float32)
             arrays.append(quantize_on_devices(full, spec, sharding_of))
             full.delete()   # one weight at full precision at a time
-    _progress(len(named), len(named), "done")
+    if progress:
+        _progress(len(named), len(named), "done")
     return jax.tree.unflatten(jax.tree.structure(specs, is_leaf=is_spec), arrays)
 
 

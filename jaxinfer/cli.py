@@ -28,16 +28,25 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the model name OpenAI requests give "
                    "(server, batch files; default: the --model path, or jaxinfer-random-small)")
     EngineConfig.add_cli_args(p)
+    add_job_args(p)
+
+
+def add_job_args(p: argparse.ArgumentParser) -> None:
+    """Joining a multi-host job: the same flags for every command that runs on all hosts."""
     multi = p.add_argument_group("multi-host (every process runs this same command; see launch/)")
     multi.add_argument("--coordinator", default=None, help="host:port of process 0 (env JAXINFER_COORDINATOR)")
     multi.add_argument("--num-processes", type=int, default=None, help="env JAXINFER_NUM_PROCESSES (default 1)")
     multi.add_argument("--process-id", type=int, default=None, help="env JAXINFER_PROCESS_ID")
 
 
+def job_from_args(args: argparse.Namespace) -> Job:
+    return Job.from_flags(args.coordinator, args.num_processes, args.process_id)
+
+
 def prepare(args: argparse.Namespace) -> tuple[Job, MeshConfig, EngineConfig]:
     """Check every flag before JAX starts and before any weight is read, then join the job (ValueError on a
     bad flag, MeshError included)."""
-    job = Job.from_flags(args.coordinator, args.num_processes, args.process_id)
+    job = job_from_args(args)
     mesh = mesh_for_cli(args.mesh, job.num_processes)
     engine_config = EngineConfig.from_cli_args(args)
     job.initialize()

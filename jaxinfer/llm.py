@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.checkpoint import Checkpoint, abstract, is_spec, load_params
+from jaxinfer.checkpoint import abstract, is_spec, load_params
 from jaxinfer.collectives import collective_report
 from jaxinfer.config import EngineConfig, ModelConfig, read_json
+from jaxinfer.converted import Converted, open_checkpoint
 from jaxinfer.device.compilation_cache import enable_compilation_cache
 from jaxinfer.device.layers import UNROLL_LAYER_BYTES, Weights, layer_bytes, one_stack_per_layer
 from jaxinfer.device.pipeline import stage_specs
@@ -66,19 +67,25 @@ class LLM:
         engine_config = _engine_config(engine_config, engine_args)
         self.path: Path | None = Path(model)
         self._check(config_from_dir(self.path), mesh, dtype, engine_config)
+        checkpoint = open_checkpoint(self.path)
         stored = stored_quantization(read_json(self.path / "config.json"))
-        if stored is not None and engine_config.quantization not in (None, stored.qtype):
-            raise ValueError(f"{self.path} is stored quantized ({stored.method}, {stored.qtype}): it cannot be "
-                             f"served as quantization={engine_config.quantization!r}; leave quantization unset")
-        checkpoint = Checkpoint(self.path)
+        converted = checkpoint.quantization if isinstance(checkpoint, Converted) else None
+        for held, how in ((stored and stored.qtype, "stored quantized"), (converted, "converted quantized")):
+            if held is not None and engine_config.quantization not in (None, held):
+                raise ValueError(f"{self.path} is {how} ({held}): it cannot be served as quantization="
+                                 f"{engine_config.quantization!r}; leave quantization unset")
+        engine_config = dataclasses.replace(engine_config, quantization=engine_config.quantization or converted)
         try:
             tokenizer: Tokenizer | None = Tokenizer.from_dir(self.path)
         except TokenizerError:
             tokenizer = None  # token-id prompts still work
         self.stored_quantization = stored
-        self._start(engine_config, tokenizer, lambda specs: load_params(checkpoint, specs, self.layout.sharding,
-                                                                        self.dtype), check=checkpoint.check,
-                    quantize=lambda specs: quantized_specs(specs, engine_config.quantization, stored, checkpoint))
+        if isinstance(checkpoint, Converted):
+            make = lambda specs: checkpoint.restore(self.model, specs, self.layout, self.dtype)  # noqa: E731
+        else:
+            make = lambda specs: load_params(checkpoint, specs, self.layout.sharding, self.dtype)  # noqa: E731
+        self._start(engine_config, tokenizer, make, check=getattr(checkpoint, "check", lambda specs: None),
+                    quantize=lambda specs: quantized_specs(specs, engine_config.quantization, stored, checkpoint.dtype))
 
     @classmethod
     def random(cls, config: ModelConfig | dict, mesh: str | MeshConfig = "", dtype: str = "auto", seed: int = 0,

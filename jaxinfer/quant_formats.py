@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from jaxinfer.checkpoint import QUANTIZED, Checkpoint, CheckpointError, FusedSpec, ParamSpec, QuantSpec, Spec, is_spec
+from jaxinfer.checkpoint import QUANTIZED, CheckpointError, FusedSpec, ParamSpec, QuantSpec, Spec, is_spec
 
 STORED_QTYPES = {"F8_E4M3": "fp8", "I8": "int8"}
 
@@ -97,14 +98,15 @@ def _block(value: Any, name: str) -> tuple[int, int] | None:
 
 
 def quantized_specs(specs: Any, method: str | None, stored: StoredQuantization | None = None,
-                    ckpt: Checkpoint | None = None) -> Any:
+                    stored_dtype: Callable[[str], str | None] | None = None) -> Any:
     """The model's weight specs with each matmul weight made a QuantSpec: as stored where the checkpoint
-    holds it in 8 bits, else quantized as it loads where `method` asks, else left as it is."""
+    holds it in 8 bits (`stored_dtype`: a tensor's dtype as the checkpoint names it, None where it is
+    absent), else quantized as it loads where `method` asks, else left as it is."""
     def one(spec: Spec) -> Spec:
         if isinstance(spec, QuantSpec) or not spec.contract:
             return spec
-        if stored is not None and ckpt is not None:
-            dtypes = {ckpt.dtype(n) for p in spec.parts for n in p.hf_names() if n in ckpt.where}
+        if stored is not None and stored_dtype is not None:
+            dtypes = {d for p in spec.parts for n in p.hf_names() if (d := stored_dtype(n)) is not None}
             if dtypes & set(QUANTIZED):
                 if len(dtypes) != 1:
                     names = [n for p in spec.parts for n in p.hf_names()[:1]]

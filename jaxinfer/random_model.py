@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
@@ -46,6 +47,11 @@ BENCH_MOE_100M = {**DEFAULT, "architectures": ["MixtralForCausalLM"], "model_typ
                   "max_position_embeddings": 2048, "tie_word_embeddings": False}
 
 
+# The start-up benchmark's larger model: ~1.07B parameters in bfloat16 (2.1 GB on disk), a Llama at TinyLlama's width.
+BENCH_1B = {**BENCH_100M, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 20,
+            "num_attention_heads": 16, "num_key_value_heads": 8, "torch_dtype": "bfloat16"}
+
+
 # Llama-3-8B's shape (Meta-Llama-3-8B config.json); served with random weights made on the devices, never on disk.
 LLAMA3_8B = {**DEFAULT, "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -63,6 +69,7 @@ def write_random_checkpoint(path: str | Path, config: dict, seed: int = 0) -> Pa
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = config_from_dict(config)
+    dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}.get(cfg.checkpoint_dtype, np.float32)
     rng = np.random.default_rng(seed)
     tensors = {}
     parts = (p for s in jax.tree.leaves(model_for(cfg).weights(), is_leaf=is_spec) for p in s.parts)
@@ -71,10 +78,10 @@ def write_random_checkpoint(path: str | Path, config: dict, seed: int = 0) -> Pa
             if name in tensors:
                 continue  # tied embeddings
             if name.endswith("norm.weight"):
-                tensors[name] = np.ones(spec.hf_shape, np.float32)
+                tensors[name] = np.ones(spec.hf_shape, dtype)
             else:
                 std = 1.0 / np.sqrt(spec.hf_shape[-1])
-                tensors[name] = (rng.standard_normal(spec.hf_shape, np.float32) * std).astype(np.float32)
+                tensors[name] = (rng.standard_normal(spec.hf_shape, np.float32) * std).astype(dtype)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2))
     if config["vocab_size"] >= BYTE_VOCAB:
@@ -121,14 +128,10 @@ def _random_array(spec, dtype, key):
     import jax
     import jax.numpy as jnp
 
-    from jaxinfer.checkpoint import FusedSpec
+    from jaxinfer.checkpoint import FusedSpec, fuse
 
     if isinstance(spec, FusedSpec):
-        d = spec.block_axis
-        parts = [_random_array(p, dtype, jax.random.fold_in(key, i)) for i, p in enumerate(spec.parts)]
-        parts = [x.reshape(*x.shape[:d], spec.shards, w, *x.shape[d + 1:]) for x, w in zip(parts, spec.widths,
-                                                                                         strict=True)]
-        return jnp.concatenate(parts, axis=d + 1)
+        return fuse([_random_array(p, dtype, jax.random.fold_in(key, i)) for i, p in enumerate(spec.parts)], spec)
 
     depth = spec.stack_depth
     shape = list(spec.shape)

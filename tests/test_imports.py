@@ -15,15 +15,16 @@ LAYERS = [
      "jaxinfer.sampling", "jaxinfer.step", "jaxinfer.tokenizer", "jaxinfer.collectives", "jaxinfer.quant",
      "jaxinfer.quant_formats"],
     ["jaxinfer.device", "jaxinfer.models", "jaxinfer.pallas_kernels", "jaxinfer.meshes"],
-    ["jaxinfer.engine"],
+    ["jaxinfer.engine", "jaxinfer.converted"],
     ["jaxinfer.plan"],
     ["jaxinfer.llm", "jaxinfer.random_model", "jaxinfer.cli", "jaxinfer"],
-    ["jaxinfer.serve", "jaxinfer.launch", "jaxinfer.plan.__main__", "jaxinfer.plan.calibrate"],
+    ["jaxinfer.serve", "jaxinfer.launch", "jaxinfer.convert", "jaxinfer.plan.__main__", "jaxinfer.plan.calibrate"],
     ["jaxinfer.bench"],
 ]
 DEVICE = ("jaxinfer.step", "jaxinfer.device", "jaxinfer.models", "jaxinfer.pallas_kernels")
 HOST_ONLY = ("jaxinfer.engine", "jaxinfer.plan", "jaxinfer.tokenizer", "jaxinfer.serve", "jaxinfer.bench",
-             "jaxinfer.llm", "jaxinfer.launch", "jaxinfer.cli", "jaxinfer.random_model")
+             "jaxinfer.llm", "jaxinfer.launch", "jaxinfer.cli", "jaxinfer.random_model", "jaxinfer.converted",
+             "jaxinfer.convert")
 
 
 def modules() -> dict[str, Path]:

@@ -11,6 +11,12 @@ no_warmup_first_token_s: another process, the model loaded and one token generat
 cache (a temporary directory per process); warm: the same directory again, a restart on the same machine.
 The random-weight checkpoints come from the usual cache directory (written beforehand), so no run pays for
 writing them.
+
+--load: where the weights come from. Process start to weights loaded and to the first token, from the
+Hugging Face safetensors and from the same model converted (python -m jaxinfer.convert, orbax), with a
+page cache cold (every file of the directory evicted with posix_fadvise(DONTNEED) first) and warm (read
+just before); the compilation cache is warm for all of them (a first, untimed process fills it), so what
+differs is the weights' path alone.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,12 +32,14 @@ import time
 
 from jaxinfer.bench.decode import PRESETS as BENCH_PRESETS
 
-PRESETS = {"bench": BENCH_PRESETS["dense"], "small": ("default-random-llama", "DEFAULT")}
+PRESETS = {"bench": BENCH_PRESETS["dense"], "small": ("default-random-llama", "DEFAULT"),
+           "1b": ("bench-1b-random-llama", "BENCH_1B")}
+DEFAULTS = {"compile": ["bench", "small"], "load": ["bench", "1b"]}
 
 CHILD = """
 import json, sys, time
 from jaxinfer import LLM, SamplingParams
-llm = LLM(sys.argv[1], dtype="float32")
+llm = LLM(sys.argv[1], dtype=sys.argv[3])
 loaded = time.time()
 compiled = llm.warmup(progress=False) if sys.argv[2] == "serve" else 0
 ready = time.time()
@@ -46,7 +55,9 @@ llm.close()
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jaxinfer.bench.startup", description=__doc__.split("\n")[0])
     p.add_argument("--preset", action="append", choices=list(PRESETS),
-                   help="model(s) to time (default: bench and small)")
+                   help="model(s) to time (default: bench and small; with --load, bench and 1b)")
+    p.add_argument("--load", action="store_true", help="safetensors against a converted checkpoint, cold and warm "
+                   "page cache (see above)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     return p.parse_args(argv)
 
@@ -58,12 +69,45 @@ def checkpoint(preset: str) -> str:
     return str(random_model.ensure(name, getattr(random_model, config)))
 
 
-def start(path: str, xla_cache: str, mode: str) -> dict:
+def converted(preset: str) -> str:
+    """The preset's checkpoint converted (jaxinfer.converted), beside it in the cache, made on first use."""
+    from jaxinfer.converted import MANIFEST
+
+    src = checkpoint(preset)
+    out = f"{src}-converted"
+    if not os.path.isfile(os.path.join(out, MANIFEST)):
+        shutil.rmtree(out, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "jaxinfer.convert", "--model", src, "--out", out], check=True)
+    return out
+
+
+def evict(path: str) -> None:
+    """Every file under `path` out of the page cache (clean pages; no privileges needed)."""
+    for root, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def read_through(path: str) -> None:
+    """Every file under `path` read once: the page cache warm."""
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                while f.read(1 << 24):
+                    pass
+
+
+def start(path: str, xla_cache: str, mode: str, dtype: str = "float32") -> dict:
     """One fresh process (mode "serve": warm-up first; "first": a token at once): seconds from its launch."""
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": xla_cache}
     env.pop("JAX_ENABLE_COMPILATION_CACHE", None)
     t0 = time.time()
-    out = subprocess.run([sys.executable, "-c", CHILD, path, mode], env=env, check=True,
+    out = subprocess.run([sys.executable, "-c", CHILD, path, mode, dtype], env=env, check=True,
                          capture_output=True, text=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
     return {"loaded_s": r["loaded"] - t0, "ready_s": r["ready"] - t0, "first_token_s": r["first"] - t0,
@@ -78,9 +122,41 @@ def start_pair(path: str, serve_cache: str, first_cache: str) -> dict:
             "no_warmup_compiled": first["compiled_by_first_token"]}
 
 
+def run_load(presets: list[str]) -> dict:
+    """{preset: {source: {cold|warm: start}}} with the compilation cache warm (see --load)."""
+    results = {}
+    for preset in presets:
+        sources = {"safetensors": checkpoint(preset), "converted": converted(preset)}
+        with tempfile.TemporaryDirectory(prefix="jaxinfer-xla-") as xla_cache:
+            start(sources["safetensors"], xla_cache, "first", "auto")   # fills the compilation cache
+            results[preset] = {}
+            for source, path in sources.items():
+                evict(path)
+                cold = start(path, xla_cache, "first", "auto")
+                read_through(path)
+                results[preset][source] = {"cold": cold, "warm": start(path, xla_cache, "first", "auto"),
+                                           "bytes": sum(os.path.getsize(os.path.join(r, f))
+                                                        for r, _, fs in os.walk(path) for f in fs)}
+    return results
+
+
+def readable_load(results: dict) -> str:
+    lines = [f"{'model':6} {'weights':12} {'on disk':>8} {'page cache':>10} {'loaded':>8} {'first token':>12}"]
+    for preset, sources in results.items():
+        for source, r in sources.items():
+            for kind in ("cold", "warm"):
+                lines.append(f"{preset:6} {source:12} {r['bytes'] / 2**30:7.2f}G {kind:>10} "
+                             f"{r[kind]['loaded_s']:7.1f}s {r[kind]['first_token_s']:11.1f}s")
+        s, c = sources["safetensors"], sources["converted"]
+        lines.append(f"{preset:6} converted / safetensors first token: cold "
+                     f"{s['cold']['first_token_s'] / c['cold']['first_token_s']:.2f}x faster, warm "
+                     f"{s['warm']['first_token_s'] / c['warm']['first_token_s']:.2f}x faster")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> dict:
     results = {}
-    for preset in args.preset or list(PRESETS):
+    for preset in args.preset or DEFAULTS["compile"]:
         path = checkpoint(preset)
         with (tempfile.TemporaryDirectory(prefix="jaxinfer-xla-") as serve_cache,
               tempfile.TemporaryDirectory(prefix="jaxinfer-xla-") as first_cache):
@@ -101,6 +177,10 @@ def readable(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.load:
+        results = run_load(args.preset or DEFAULTS["load"])
+        print(json.dumps(results) if args.json else readable_load(results))
+        return 0
     results = run(args)
     print(json.dumps(results) if args.json else readable(results))
     return 0
