@@ -42,10 +42,11 @@ def main(argv: list[str] | None = None) -> int:
         from jaxinfer.models import config_from_dir
         from jaxinfer.sharding import Layout, validate
 
-        validate(config_from_dir(args.model), mesh)
+        cfg = config_from_dir(args.model)
+        validate(cfg, mesh)
         mesh.check_devices(len(jax.devices()))
-        manifest = convert(args.model, args.out, Layout(mesh.make()),
-                           resolve_dtype(args.dtype, config_from_dir(args.model)), args.quantization)
+        manifest = convert(args.model, args.out, Layout(mesh.make()), resolve_dtype(args.dtype, cfg),
+                           args.quantization)
     except (ValueError, OSError) as e:   # CheckpointError, ConfigError and MeshError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2

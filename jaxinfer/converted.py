@@ -167,7 +167,6 @@ class Converted:
                                   f"{again}")
         self.manifest, self.again = m, again
         self.quantization: str | None = m["quantization"]
-        self.dtype_name: str = m["dtype"]
 
     def dtype(self, name: str) -> str | None:
         """The dtype a tensor of the source checkpoint was stored in, where it was stored quantized."""
@@ -215,7 +214,6 @@ class Converted:
                     held = (k, read(f"layers_{k}", canon.layers[k].weights))
                 stacks.append(LayerStack(land(stack.weights, canon.layers[k].weights, held[1], layout,
                                               last=k not in sources[j + 1:]), first=stack.first, stages=stack.stages))
-            held = None
             head = land(specs.head, canon.head, read("head", canon.head), layout)
         bar.close()
         return Weights(embed=embed, layers=tuple(stacks), head=head)

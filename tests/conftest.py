@@ -245,3 +245,20 @@ def subprocess_env(shared_cache) -> Mapping[str, str]:
     """The environment for a jaxinfer child process (read-only: copy it to change it): this one's, with the run's
     shared JAXINFER_CACHE. It keeps XLA_FLAGS (the eight fake devices): a child that sets up its own drops it."""
     return MappingProxyType({**os.environ, "JAXINFER_CACHE": str(shared_cache)})
+
+
+@pytest.fixture(scope="session")
+def two_processes(subprocess_env) -> Callable[..., dict]:
+    """two_processes(flags, cwd) -> the last JSON line of a two-process job (launch/local.sh 2 FLAGS...) run in
+    `cwd` (its logs go there too), after checking that it exited 0."""
+    import subprocess
+    import sys
+
+    def run(flags: list[str], cwd: Path) -> dict:
+        env = {k: v for k, v in subprocess_env.items() if k != "XLA_FLAGS"}
+        env.update(PYTHON=sys.executable, JAX_PLATFORMS="cpu", JAXINFER_LOG_DIR=str(cwd))
+        r = subprocess.run(["bash", str(Path(__file__).resolve().parents[1] / "launch" / "local.sh"), "2", *flags],
+                           env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    return run

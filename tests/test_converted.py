@@ -3,8 +3,6 @@ the safetensors path loads there, quantized or not; broken or foreign directorie
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -17,7 +15,6 @@ from jaxinfer import convert as convert_cli
 from jaxinfer.checkpoint import CheckpointError
 from jaxinfer.converted import MANIFEST, PARAMS
 
-REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [[1, 5, 9, 33, 7, 2, 100], [1, 40, 41]]
 
 
@@ -158,16 +155,11 @@ def test_convert_refuses_bad_input(converted, hf_tiny, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
-def test_two_processes_restore_what_one_does(converted, tmp_path, subprocess_env, tiny_llm):
+def test_two_processes_restore_what_one_does(converted, tmp_path, two_processes, tiny_llm):
     """Each process reads its devices' slices (launch/local.sh, dp=2,tp=2 over two processes)."""
     path = converted("llama", "--dtype", "float32")
     flags = ["--mesh", "dp=2,tp=2", "--model", str(path), "--prompt", "Restored twice", "--max-tokens", "6",
              "--json"]
-    env = {k: v for k, v in subprocess_env.items() if k != "XLA_FLAGS"}
-    env.update(PYTHON=sys.executable, JAX_PLATFORMS="cpu", JAXINFER_LOG_DIR=str(tmp_path))
-    r = subprocess.run(["bash", str(REPO / "launch" / "local.sh"), "2", *flags], env=env, cwd=tmp_path,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    result = json.loads(r.stdout.strip().splitlines()[-1])
+    result = two_processes(flags, tmp_path)
     alone = tiny_llm("llama", "dp=2,tp=2").generate(["Restored twice"], SamplingParams(max_tokens=6, temperature=0))
     assert result["devices"] == 4 and result["output_token_ids"] == alone[0].token_ids

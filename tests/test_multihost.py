@@ -2,29 +2,19 @@
 replica per process, or one pipeline stage per process (the activations cross processes)."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from jaxinfer import SamplingParams
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 @pytest.mark.parametrize("mesh", ["dp=2,tp=2", "pp=2,tp=2"])
-def test_two_processes_equal_one(tmp_path, hf_tiny, subprocess_env, tiny_llm, mesh):
+def test_two_processes_equal_one(tmp_path, hf_tiny, two_processes, tiny_llm, mesh):
     llama = hf_tiny / "llama"
     flags = ["--mesh", mesh, "--model", str(llama), "--prompt", "Distributed inference", "--max-tokens", "6",
              "--dtype", "float32", "--json"]
-    env = {k: v for k, v in subprocess_env.items() if k != "XLA_FLAGS"}
-    env.update(PYTHON=sys.executable, JAX_PLATFORMS="cpu", JAXINFER_LOG_DIR=str(tmp_path))
-    r = subprocess.run(["bash", str(REPO / "launch" / "local.sh"), "2", *flags], env=env, cwd=tmp_path,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    result = json.loads(r.stdout.strip().splitlines()[-1])
+    result = two_processes(flags, tmp_path)
     sizes = dict(axis.split("=") for axis in mesh.split(","))
     assert result["devices"] == 4 and all(result["mesh"][a] == int(n) for a, n in sizes.items())
 
@@ -35,7 +25,7 @@ def test_two_processes_equal_one(tmp_path, hf_tiny, subprocess_env, tiny_llm, me
     assert result["collectives"]["decode"] == llm.collective_report()["decode"]
 
 
-def test_a_batch_file_on_two_processes_equals_one(tmp_path, hf_tiny, subprocess_env, tiny_llm):
+def test_a_batch_file_on_two_processes_equals_one(tmp_path, hf_tiny, two_processes, tiny_llm):
     """Process 0 reads the file and broadcasts each turn's requests; the other process follows its loop."""
     from jaxinfer.serve.batch_job import run_batch_file
 
@@ -49,12 +39,7 @@ def test_a_batch_file_on_two_processes_equals_one(tmp_path, hf_tiny, subprocess_
     src.write_text("\n".join(map(json.dumps, lines)) + "\n{bad line\n")
     flags = ["--mesh", mesh, "--model", str(llama), "--dtype", "float32", "--input", str(src),
              "--output", str(tmp_path / "two.jsonl"), "--json"]
-    env = {k: v for k, v in subprocess_env.items() if k != "XLA_FLAGS"}
-    env.update(PYTHON=sys.executable, JAX_PLATFORMS="cpu", JAXINFER_LOG_DIR=str(tmp_path))
-    r = subprocess.run(["bash", str(REPO / "launch" / "local.sh"), "2", *flags], env=env, cwd=tmp_path,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"requests": 7, "succeeded": 6, "failed": 1}
+    assert two_processes(flags, tmp_path) == {"requests": 7, "succeeded": 6, "failed": 1}
 
     run_batch_file(tiny_llm(mesh=mesh), str(llama), src, tmp_path / "one.jsonl")
 
