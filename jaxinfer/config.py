@@ -177,7 +177,7 @@ class EngineConfig:
     attention_backend: str | None = None    # ATTENTION_BACKENDS; None: the platform's kernel where it serves
     compilation_cache: bool = True          # compiled programs kept on disk (jaxinfer.device.compilation_cache)
     overlap: bool = True                    # schedule step k+1 while step k runs (jaxinfer.engine.core)
-    scan_layers: bool | None = None         # one lax.scan per layer stack; None: not for large layers on CPU
+    scan_layers: bool | None = None         # one lax.scan per layer stack; None: not for large layers
     quantization: str | None = None         # QUANTIZATIONS: weights quantized as they load
     kv_cache_dtype: str = "auto"            # KV_CACHE_DTYPES
 
@@ -227,9 +227,8 @@ class EngineConfig:
                        help="wait for each step's tokens before scheduling the next (for debugging)")
         g.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=d.scan_layers,
                        help="run the layers as a lax.scan over stacked weights (compile time flat in depth) or "
-                            "with each layer reading its own arrays (no copy of them: faster decode on CPU); "
-                            "default: arrays of their own on CPU for layers of more than 4 MiB of weights, "
-                            "else scanned")
+                            "with each layer reading its own arrays (no copy of them: faster decode); "
+                            "default: arrays of their own for layers of more than 4 MiB of weights, else scanned")
         g.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                        help="quantize the weights as they load: int8 or fp8 (float8_e4m3fn), one scale per output "
                             "channel; the embedding, LM head, norms, biases and MoE router stay as stored")

@@ -146,14 +146,13 @@ class LLM:
                  jnp.dtype(self.dtype).name)
 
     def _scan_layers(self, asked: bool | None, stages: int, specs: Weights) -> bool:
-        """Scan by default, except on CPU where a layer's weights outgrow the caches, so that the scan's
-        copy of them costs more than a deeper program's compile time (jaxinfer.device.layers.one_stack_per_layer);
-        a pipeline always scans."""
+        """Scan by default, except where a layer's weights outgrow the caches, so that the scan's copy of them
+        costs more than a deeper program's compile time (jaxinfer.device.layers.one_stack_per_layer: on CPU and
+        on GPU alike); a pipeline always scans."""
         if asked is False and stages > 1:
             raise ValueError("scan_layers=False needs pp=1: pipeline stages hold their layers as stacks")
         if asked is None:
-            cpu = self.layout.platform == "cpu"
-            return stages > 1 or not cpu or layer_bytes(specs, self.dtype) < UNROLL_LAYER_BYTES
+            return stages > 1 or layer_bytes(specs, self.dtype) < UNROLL_LAYER_BYTES
         return asked
 
     @property

@@ -2,13 +2,13 @@
 # The GPU check (jaxinfer/bench/gpu_check.py): kernel tests compiled on the GPU, decode tok/s and MBU of a
 # Llama-3-8B-shaped random-weight model, the serving benchmark; one JSON and one markdown file in OUTDIR.
 #
-#   bash scripts/gpu_check.sh OUTDIR              # on one GPU, about 7 minutes
+#   bash scripts/gpu_check.sh OUTDIR              # on one GPU, about 8.5 minutes
 #   bash scripts/gpu_check.sh OUTDIR --dry-run    # tiny shapes on CPU, every part end to end
 #
 # OUTDIR defaults to $OUT. PYTHON picks the interpreter (default python3). Nothing comes from the network:
 # when that interpreter does not already import jaxinfer from this checkout, jaxinfer is installed in
 # editable mode without dependencies or build isolation; should pip refuse, the source tree is put on
-# PYTHONPATH instead. GPU_CHECK_TIMEOUT (default 455 s) bounds the check itself: at the limit it gets
+# PYTHONPATH instead. GPU_CHECK_TIMEOUT (default 515 s) bounds the check itself: at the limit it gets
 # SIGTERM, writes what it has, and exits 124.
 set -uo pipefail
 py=${PYTHON:-python3}
@@ -54,4 +54,4 @@ if ! from_here; then
   from_here || { echo "jaxinfer from $repo is still not importable by $py" >&2; exit 2; }
 fi
 
-timeout -k 15 "${GPU_CHECK_TIMEOUT:-455}" "$py" -m jaxinfer.bench.gpu_check "$out" "$@"
+timeout -k 15 "${GPU_CHECK_TIMEOUT:-515}" "$py" -m jaxinfer.bench.gpu_check "$out" "$@"

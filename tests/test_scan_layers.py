@@ -45,16 +45,15 @@ def test_unrolled_layers_refuse_a_pipeline(hf_tiny):
 
 
 def test_default_unrolls_only_layers_larger_than_the_caches(hf_tiny):
-    """On CPU the default unrolls a model whose layers hold more than UNROLL_LAYER_BYTES of weights and
-    scans a smaller one, whose compile time would cost more than the scan's copies; elsewhere it scans."""
-    cpu = jax.default_backend() == "cpu"
+    """The default unrolls a model whose layers hold more than UNROLL_LAYER_BYTES of weights and scans a
+    smaller one, whose compile time would cost more than the scan's copies."""
     small = LLM(hf_tiny / "llama", dtype="float32", num_pages=4)
     assert layer_bytes(small.weights, small.dtype) < UNROLL_LAYER_BYTES
     assert len(small.weights.layers) == 1
     wide = {**DEFAULT, "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 2}
     big = LLM.random(wide, dtype="float32", num_pages=4, compilation_cache=False)
     assert layer_bytes(big.weights, big.dtype) > UNROLL_LAYER_BYTES
-    assert [s.size for s in big.weights.layers] == ([1, 1] if cpu else [2])
+    assert [s.size for s in big.weights.layers] == [1, 1]
     for llm in (small, big):
         llm.close()
 

@@ -1,5 +1,5 @@
 """`python -m jaxinfer.bench.gpu_check OUTDIR` (or `bash scripts/gpu_check.sh OUTDIR`): what a first run on one GPU
-must tell, within a fixed time (430 s), written as OUTDIR/gpu_check.json and OUTDIR/gpu_check.md.
+must tell, within a fixed time (490 s), written as OUTDIR/gpu_check.json and OUTDIR/gpu_check.md.
 
 Parts, in this order, each with a time budget (an unused budget passes to the next part; what no longer
 fits is skipped with a note; both files are rewritten after every measured item, so a run cut short still
@@ -20,8 +20,9 @@ leaves what it measured, with "finished": false):
    buffer (bench.device_bandwidth). Items run batch by batch, pallas before xla. Then both backends decode
    the same greedy prompts at the largest batch <= 32 both measured (shapes already compiled): how many
    outputs agree token for token (with random weights, near-ties in bfloat16 may flip a token; this is a
-   sign, not a test). Last, the same model with its matmul weights quantized to fp8 as they load ("pallas+fp8",
-   batch 1): on Hopper an fp8 GEMM per matmul (`fp8_gemm` says whether the device has one).
+   sign, not a test). Last, the same model with its matmul weights quantized as they load: fp8 at batch 1 and 32
+   ("pallas+fp8": on Hopper an fp8 GEMM per matmul; `fp8_gemm` says whether the device has one) and int8 at
+   batch 1 ("pallas+int8": dequantize-then-matmul).
 3. serving: jaxinfer.bench.serving's in-process workload on the same model shape (attention backend: auto):
    32 requests at t=0, prompts 64-128 and outputs 32-64 tokens, step budget 2048 (six step shapes to compile
    at most, as counted on CPU). The HTTP layer is not measured here (bench_serving --http needs fastapi,
@@ -97,12 +98,12 @@ class Plan:
 GPU = Plan(
     name="gpu", model=LLAMA3_8B, model_label="Llama-3-8B shape", dtype="bfloat16", platform="cuda",
     kernel_tests=KERNEL_TESTS, items=(*((b, k) for b in (1, 32, 128) for k in ("pallas", "xla")),
-                                      (1, "pallas+fp8")),
+                                      (1, "pallas+fp8"), (1, "pallas+int8"), (32, "pallas+fp8")),
     prompt_len=128, max_tokens=64,
     num_pages=2048, bandwidth_mib=2048,
     serving=("--num-requests", "32", "--prompt-len-range", "64", "128", "--output-len-range", "32", "64",
              "--max-tokens-per-step", "2048", "--num-pages", "2048"),
-    budgets=(("kernel_tests", 110.0), ("decode", 230.0), ("serving", 75.0), ("calibration", 15.0)),
+    budgets=(("kernel_tests", 110.0), ("decode", 290.0), ("serving", 75.0), ("calibration", 15.0)),
     serving_minimum=45.0, probe=(256 << 20, 8192, 8192))
 
 DRY_RUN = Plan(

@@ -63,7 +63,7 @@ class LayerStack:
         return self.stages is not None and any(i is None for s in self.stages for i in s)
 
 
-UNROLL_LAYER_BYTES = 4 << 20   # on CPU, layers whose weights are larger than this are unrolled by default
+UNROLL_LAYER_BYTES = 4 << 20   # layers whose weights are larger than this are unrolled by default
 
 
 def layer_bytes(weights: Weights, dtype) -> float:
@@ -77,8 +77,8 @@ def one_stack_per_layer(weights: Weights) -> Weights:
     """Weight specs regrouped so that every layer is a stack of its own (one array per layer and weight),
     run by `switched_layers` (`scan_layers=False`).
 
-    A scan reads layer i's weights by a dynamic slice of the stacked arrays, and XLA:CPU copies that slice
-    before each matmul: every decode step then writes and reads the weights once more than it needs to,
+    A scan reads layer i's weights by a dynamic slice of the stacked arrays, and XLA (CPU and GPU alike) copies
+    that slice before each matmul: every decode step then writes and reads the weights once more than it needs to,
     which triples a memory-bound step's traffic. Separate arrays are read in place; the price is a copy of
     each layer's projections in the program (attention stays one copy), so compile time grows with depth,
     slowly."""
