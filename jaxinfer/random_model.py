@@ -37,7 +37,7 @@ BENCH_100M = {**DEFAULT, "hidden_size": 768, "intermediate_size": 2048, "num_hid
 
 # The sequence-parallel benchmark's model: small weights, a 16k context, so attention dominates long prompts.
 BENCH_LONG = {**DEFAULT, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
-              "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 16384}
+              "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 65536}
 
 # The MoE benchmark's Mixtral-style model: config_from_dict(BENCH_MOE_100M).num_params() == 96,631,296
 # (~96.6M total; ~40.0M active per token: 2 of the 8 experts). intermediate_size is the expert width.

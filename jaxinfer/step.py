@@ -31,6 +31,8 @@ class StepMetadata:
     num_seqs: jax.Array     # int32 [R]
     token_seq: jax.Array    # int32 [R, N] the sequence of each token, -1 for padding
     ring: bool = struct.field(pytree_node=False, default=False)  # sp prefill: fresh K/V travel the ring
+    # False only for a ring step in which no sequence has keys cached before it: it reads no pages
+    cached: bool = struct.field(pytree_node=False, default=True)
 
 
 @struct.dataclass

@@ -266,23 +266,34 @@ def _pick_block_q(group: int) -> int:
     return max(1, _TILE_ROWS // group)
 
 
-def _block_map(seq_lens: jax.Array, query_start: jax.Array, num_seqs: jax.Array, block_q: int,
-               num_blocks: int) -> jax.Array:
-    """int32 [num_blocks, 4]: (sequence or -1 past the real blocks, first token, end token, first position)."""
-    num_slots = seq_lens.shape[0]
+def _block_map(query_start: jax.Array, num_seqs: jax.Array, block_q: int, num_blocks: int) -> jax.Array:
+    """int32 [num_blocks, 3]: (sequence or -1 past the real blocks, first token, end token)."""
+    num_slots = query_start.shape[0] - 1
     q_len = jnp.where(jnp.arange(num_slots) < num_seqs, query_start[1:] - query_start[:-1], 0)
     blocks_end = jnp.cumsum((q_len + block_q - 1) // block_q)
     b = jnp.arange(num_blocks, dtype=jnp.int32)
     seq = jnp.minimum(jnp.searchsorted(blocks_end, b, side="right"), num_slots - 1).astype(jnp.int32)
     first = (b - (blocks_end[seq] - (q_len[seq] + block_q - 1) // block_q)) * block_q   # offset in the seq
-    return jnp.stack([jnp.where(b < blocks_end[-1], seq, -1), query_start[seq] + first, query_start[seq + 1],
-                      seq_lens[seq] - q_len[seq] + first], axis=1).astype(jnp.int32)
+    return jnp.stack([jnp.where(b < blocks_end[-1], seq, -1), query_start[seq] + first, query_start[seq + 1]],
+                     axis=1).astype(jnp.int32)
 
 
-def _kernel(blocks_ref, layer_ref, page_table_ref, q_ref, k_ref, v_ref, *refs, block_q: int, group: int, page: int,
-            scale: float, quantized: bool):
-    """One (query block, kv head) program: block_q tokens x G heads as rows, online softmax over pages
-    (scores in log2 units: `scale` includes log2(e)); the log-sum-exp, in natural log, where asked.
+def visible_keys(kv_limit: jax.Array, page: int, width: int, page_stride: int = 1,
+                 page_offset: jax.Array | int = 0) -> jax.Array:
+    """int32 [N]: how many keys along its sequence's table each token sees, when table entry j holds the
+    sequence's page j * page_stride + page_offset and the token sees positions below kv_limit. Positions grow
+    along the table, so they are a prefix of it: the entries wholly below the limit, and part of the next."""
+    limit = kv_limit.astype(jnp.int32)
+    entries = jnp.clip((-(-limit // page) - page_offset + page_stride - 1) // page_stride, 0, width)
+    last_first = ((entries - 1) * page_stride + page_offset) * page       # first position of the last entry
+    return jnp.where(entries > 0, (entries - 1) * page + jnp.clip(limit - last_first, 0, page), 0)
+
+
+def _kernel(blocks_ref, layer_ref, page_table_ref, visible_ref, q_ref, k_ref, v_ref, *refs, block_q: int, group: int,
+            page: int, scale: float, quantized: bool):
+    """One (query block, kv head) program: block_q tokens x G heads as rows, online softmax over the first
+    visible[t] keys along the sequence's table (scores in log2 units: `scale` includes log2(e)); the
+    log-sum-exp, in natural log, where asked. A row that sees no key gets 0 and -inf.
     refs: the scales of quantized pages (k, v), then the output and the log-sum-exp where asked."""
     ks_ref, vs_ref, o_ref, *lse = refs if quantized else (None, None, *refs)
     lse_ref = lse[0] if lse else None
@@ -291,15 +302,16 @@ def _kernel(blocks_ref, layer_ref, page_table_ref, q_ref, k_ref, v_ref, *refs, b
 
     @pl.when(seq >= 0)
     def _():
-        t0, t_end, pos0 = blocks_ref[b, 1], blocks_ref[b, 2], blocks_ref[b, 3]
+        t0, t_end = blocks_ref[b, 1], blocks_ref[b, 2]
         d = q_ref.shape[-1]
         rows = block_q * group
         window = (pl.ds(t0, block_q), pl.ds(h * group, group), slice(None))
         real = (t0 + jnp.arange(block_q)) < t_end
         io_mask = jnp.broadcast_to(real[:, None, None], (block_q, group, d))
         q = plgpu.load(q_ref.at[window], mask=io_mask, other=0).reshape(rows, d)
-        row_pos = pos0 + jnp.arange(rows) // group
-        n_pages = (pos0 + jnp.minimum(t_end - t0, block_q) - 1) // page + 1   # up to the last real token
+        visible = plgpu.load(visible_ref.at[pl.ds(t0, block_q)], mask=real, other=0)
+        row_visible = jnp.broadcast_to(visible[:, None], (block_q, group)).reshape(rows)
+        n_pages = (visible.max() + page - 1) // page
         layer = layer_ref[0]
 
         def body(j, carry):
@@ -310,7 +322,7 @@ def _kernel(blocks_ref, layer_ref, page_table_ref, q_ref, k_ref, v_ref, *refs, b
                 k = dequantize(k, ks_ref[layer, h, pid], q.dtype)             # scales [P, 1]
                 v = dequantize(v, vs_ref[layer, h, pid], q.dtype)
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-            s = jnp.where((j * page + jnp.arange(page))[None, :] <= row_pos[:, None], s, _MASK)
+            s = jnp.where((j * page + jnp.arange(page))[None, :] < row_visible[:, None], s, _MASK)
             m_new = jnp.maximum(m, s.max(axis=1))
             p = jnp.exp2(s - m_new[:, None])
             corr = jnp.exp2(m - m_new)
@@ -321,11 +333,13 @@ def _kernel(blocks_ref, layer_ref, page_table_ref, q_ref, k_ref, v_ref, *refs, b
         init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
                 jnp.zeros((rows,), jnp.float32))
         acc, m, denom = lax.fori_loop(0, n_pages, body, init)
-        out = (acc / denom[:, None]).astype(o_ref.dtype).reshape(block_q, group, d)
-        plgpu.store(o_ref.at[window], out, mask=io_mask)
+        seen = row_visible > 0
+        out = jnp.where(seen[:, None], acc / jnp.where(seen, denom, 1.0)[:, None], 0)
+        plgpu.store(o_ref.at[window], out.astype(o_ref.dtype).reshape(block_q, group, d), mask=io_mask)
         if lse_ref is not None:
-            lse = ((m + jnp.log2(denom)) / _LOG2E).reshape(block_q, group)
-            plgpu.store(lse_ref.at[window[:2]], lse, mask=jnp.broadcast_to(real[:, None], (block_q, group)))
+            lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, denom, 1.0))) / _LOG2E, -jnp.inf)
+            plgpu.store(lse_ref.at[window[:2]], lse.reshape(block_q, group),
+                        mask=jnp.broadcast_to(real[:, None], (block_q, group)))
 
 
 def _is_pow2(x: int) -> bool:
@@ -356,6 +370,38 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     k_scales, v_scales: quantized pages' scales [L, KV, pages, P, 1]; each page is dequantized to q's dtype
     as it is loaded.
     """
+    _, pos, valid = _token_map(seq_lens, query_start, num_seqs, q.shape[0])
+    visible = jnp.where(valid, jnp.minimum(pos + 1, page_table.shape[1] * k_pages.shape[3]), 0)
+    out, lse = _pallas_attention(q, k_pages, v_pages, layer, page_table, query_start, num_seqs, visible,
+                                 sm_scale=sm_scale, block_q=block_q, interpret=interpret, out_dtype=q.dtype,
+                                 k_scales=k_scales, v_scales=v_scales)
+    return (out, lse) if return_lse else out
+
+
+def ragged_paged_attention_partial(q: jax.Array, query_start: jax.Array, num_seqs: jax.Array, kv_limit: jax.Array,
+                                   k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array, page_table: jax.Array, *,
+                                   sm_scale: float, page_stride: int = 1, page_offset: jax.Array | int = 0,
+                                   block_q: int | None = None, interpret: bool = False,
+                                   k_scales: jax.Array | None = None,
+                                   v_scales: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Pallas (Triton) `paged_attention_partial`: float32 (out [N, H, D], lse [N, H]) of each token over its
+    sequence's table entries (entry j: page j * page_stride + page_offset) at positions below kv_limit, 0 and
+    -inf where none is visible; what sequence parallel's ranks merge."""
+    chex.assert_shape(kv_limit, q.shape[:1])
+    tok_seq = _token_seq(query_start, q.shape[0])
+    limit = jnp.where(tok_seq < num_seqs, kv_limit, 0)
+    visible = visible_keys(limit, k_pages.shape[3], page_table.shape[1], page_stride, page_offset)
+    return _pallas_attention(q, k_pages, v_pages, layer, page_table, query_start, num_seqs, visible,
+                             sm_scale=sm_scale, block_q=block_q, interpret=interpret, out_dtype=jnp.float32,
+                             k_scales=k_scales, v_scales=v_scales)
+
+
+def _pallas_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array, page_table: jax.Array,
+                      query_start: jax.Array, num_seqs: jax.Array, visible: jax.Array, *, sm_scale: float,
+                      block_q: int | None, interpret: bool, out_dtype, k_scales: jax.Array | None,
+                      v_scales: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """The kernel's call: each real token over the first visible[t] keys along its sequence's table ->
+    (out [N, H, D] in out_dtype, lse [N, H] float32), 0 and -inf for padding and for tokens that see none."""
     n, h, d = q.shape
     num_layers, kv, _, page, _ = k_pages.shape
     _check_shapes(q, k_pages, v_pages)
@@ -369,15 +415,14 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         raise ValueError(f"block_q {block_q} must be a power of two")
     if gp != group:
         q = jnp.pad(q.reshape(n, kv, group, d), ((0, 0), (0, 0), (0, gp - group), (0, 0))).reshape(n, kv * gp, d)
-    num_blocks = n // block_q + seq_lens.shape[0]  # sum of ceil(q_len / block_q) never exceeds this
-    blocks = _block_map(seq_lens, query_start, num_seqs, block_q, num_blocks)
+    num_blocks = n // block_q + page_table.shape[0]  # sum of ceil(q_len / block_q) never exceeds this
+    blocks = _block_map(query_start, num_seqs, block_q, num_blocks)
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1).reshape(1)
     kernel = pl.pallas_call(
         lambda *refs: _kernel(*refs, block_q=block_q, group=gp, page=page, scale=sm_scale * _LOG2E,
                               quantized=quantized),
         grid=(num_blocks, kv),  # block index fastest: neighbouring programs share a kv head's pages in L2
-        out_shape=(jax.ShapeDtypeStruct((n, kv * gp, d), q.dtype),
-                   *([jax.ShapeDtypeStruct((n, kv * gp), jnp.float32)] if return_lse else [])),
+        out_shape=(jax.ShapeDtypeStruct((n, kv * gp, d), out_dtype), jax.ShapeDtypeStruct((n, kv * gp), jnp.float32)),
         # 4 warps hold a <= 64x128 f32 accumulator comfortably, larger tiles get 8; two stages prefetch
         # the next page's K/V (page table lookup included) while this page is computed.
         compiler_params=plgpu.CompilerParams(num_warps=4 if block_q * gp * d <= 64 * 128 else 8, num_stages=2),
@@ -385,11 +430,9 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         name="ragged_paged_attention",
     )
     scales = (k_scales, v_scales) if quantized else ()
-    out, *lse = kernel(blocks, layer, page_table.astype(jnp.int32), q, k_pages, v_pages, *scales)
+    out, lse = kernel(blocks, layer, page_table.astype(jnp.int32), visible.astype(jnp.int32), q, k_pages, v_pages,
+                      *scales)
     out = out.reshape(n, kv, gp, d)[:, :, :group].reshape(n, h, d)
     valid = jnp.arange(n) < query_start[num_seqs]  # padding tokens belong to no block: their rows are unset
-    out = jnp.where(valid[:, None, None], out, 0)
-    if not return_lse:
-        return out
-    lse = lse[0].reshape(n, kv, gp)[:, :, :group].reshape(n, h)
-    return out, jnp.where(valid[:, None], lse, -jnp.inf)
+    lse = lse.reshape(n, kv, gp)[:, :, :group].reshape(n, h)
+    return jnp.where(valid[:, None, None], out, 0), jnp.where(valid[:, None], lse, -jnp.inf)

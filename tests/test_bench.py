@@ -160,7 +160,8 @@ def test_bench_pipeline_json(capsys, random_checkpoint):
 
 
 def test_bench_sequence_json(capsys, random_checkpoint):
-    """sp 1 and 2 on a 2-layer model: the ring's permutes in the prefill step, a decode merge whose bytes do
+    """sp 1 and 2 on a 2-layer model: the ring's permutes alone in the prefill step (no context cached before
+    it), the same attention kernel at both, the step's memory, a decode merge whose bytes do
     not depend on the context, KV bytes per device halved, and eta = 1 at sp=1 by definition."""
     from jaxinfer.bench import sequence as bench_sequence
 
@@ -174,7 +175,8 @@ def test_bench_sequence_json(capsys, random_checkpoint):
     one, two = r["prefill"]
     assert one["eta"] == 1.0 and one["collectives"] == {}
     assert two["eta"] == pytest.approx(one["seconds"] / (2 * two["seconds"]))
-    assert two["collectives"]["collective-permute"] == {"count": L, "bytes": L * 16 * 2 * KV * D * 4}
+    assert two["collectives"] == {"collective-permute": {"count": L, "bytes": L * 16 * 2 * KV * D * 4}}  # no context
+    assert one["backend"] == two["backend"] == "cpu" and one["temp_bytes"] > 0 and two["temp_bytes"] > 0
     short, long = r["decode"]
     assert (short["context"], long["context"]) == (30, 62) and short["x_sp1"] == long["x_sp1"] == 1.0
     assert short["collectives"] == long["collectives"] and long["collectives"]["all-to-all"]["count"] == L

@@ -17,6 +17,7 @@ from jaxinfer.pallas_kernels.ragged_paged_attention import (
     merge_partials,
     paged_attention_partial,
     ragged_paged_attention,
+    ragged_paged_attention_partial,
     ragged_paged_attention_reference,
     together_pays,
 )
@@ -192,29 +193,6 @@ def test_log_sum_exp(name: str):
                                   np.asarray(run_reference(inp, scale)))
 
 
-@pytest.mark.parametrize("name", ["long_mixed", "decode_even"])
-def test_partials_over_strided_pages_merge_to_whole(name: str):
-    """As a rank of sp=2 reads them: every other page of each sequence (page_stride 2, page_offset 0 or 1),
-    the two partials merged by their log-sum-exps equal attention over all pages."""
-    c = CASES[name]
-    inp = make_inputs(c, seed=2)
-    scale = c.head_dim ** -0.5
-    qs, seq_lens = np.asarray(inp["query_start"]), np.asarray(inp["seq_lens"])
-    limit = np.zeros(c.tokens, np.int32)                       # causal: position + 1 (0 for padding)
-    for s in range(len(c.seqs)):
-        limit[qs[s]: qs[s + 1]] = seq_lens[s] - (qs[s + 1] - qs[s]) + np.arange(qs[s + 1] - qs[s]) + 1
-    table = inp["page_table"].reshape(c.slots, c.max_pages // 2, 2)
-    parts = [jax.jit(functools.partial(paged_attention_partial, sm_scale=scale, page_stride=2, page_offset=r))(
-        inp["q"], inp["query_start"], inp["num_seqs"], jnp.asarray(limit), inp["k_pages"], inp["v_pages"],
-        inp["layer"], table[:, :, r]) for r in (0, 1)]
-    out, lse = merge_partials(jnp.stack([o for o, _ in parts]), jnp.stack([x for _, x in parts]))
-    dense, dense_lse = dense_attention(inp, scale, with_lse=True)
-    real = int(qs[len(c.seqs)])
-    np.testing.assert_allclose(np.asarray(out, np.float64), dense, atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(lse[:real], np.float64), dense_lse[:real], atol=1e-5, rtol=1e-5)
-    assert np.all(np.isneginf(np.asarray(lse[real:])))
-
-
 def test_only_padding_gives_zeros():
     inp = make_inputs(Case([(4, 20)], heads=4, kv_heads=1, head_dim=16, tokens=16, slots=2, num_pages=4))
     inp["num_seqs"] = jnp.int32(0)
@@ -240,6 +218,57 @@ on_cpu = pytest.mark.skipif(not cpu_devices(), reason="the C++ kernel runs on CP
 def run_cpu_kernel(inp: dict, sm_scale: float):
     f = functools.partial(cpu.ragged_paged_attention, sm_scale=sm_scale)
     return jax.jit(f)(*jax.device_put([inp[a] for a in ARGS], cpu_devices()[0]))
+
+
+# ---- partial attention over a rank's pages (sequence parallel): every kernel against the reference
+
+PARTIALS = {"reference": paged_attention_partial,
+            "pallas": functools.partial(ragged_paged_attention_partial, interpret=INTERPRET),
+            "cpu": cpu.paged_attention_partial}
+
+
+@pytest.mark.parametrize("kernel,name,stride", [
+    ("reference", "long_mixed", 2), ("reference", "decode_even", 4), ("pallas", "long_mixed", 2),
+    ("pallas", "gqa4_mixed", 4), pytest.param("cpu", "long_mixed", 2, marks=on_cpu),
+    pytest.param("cpu", "gqa4_mixed", 4, marks=on_cpu), pytest.param("cpu", "page8", 3, marks=on_cpu)])
+def test_partials_over_strided_pages_merge_to_whole(kernel: str, name: str, stride: int):
+    """As the ranks of sp read them: every stride-th page of each sequence (page_stride, page_offset = rank).
+    Causal limits: the ranks' partials merged by their log-sum-exps equal attention over all pages. A
+    prefill chunk's limits (the context cached before it: none for a fresh sequence): each partial equals
+    the reference's, 0 and -inf where a token sees no key."""
+    c = CASES.get(name) or dataclasses.replace(CASES["gqa4_mixed"], page=8, num_pages=128, max_pages=42)
+    inp = make_inputs(c, seed=2)
+    scale = c.head_dim ** -0.5
+    qs, seq_lens = np.asarray(inp["query_start"]), np.asarray(inp["seq_lens"])
+    causal, before = np.zeros(c.tokens, np.int32), np.zeros(c.tokens, np.int32)   # 0 for padding
+    for s in range(len(c.seqs)):
+        q_len = qs[s + 1] - qs[s]
+        causal[qs[s]: qs[s + 1]] = seq_lens[s] - q_len + np.arange(q_len) + 1
+        before[qs[s]: qs[s + 1]] = seq_lens[s] - q_len
+    width = -(-c.max_pages // stride) * stride
+    table = np.pad(np.asarray(inp["page_table"]), ((0, 0), (0, width - c.max_pages))).reshape(c.slots, -1, stride)
+    device = cpu_devices()[0] if kernel == "cpu" else None
+
+    def partial(limit, r, fn=PARTIALS[kernel]):
+        f = jax.jit(functools.partial(fn, sm_scale=scale, page_stride=stride))
+        args = (inp["q"], inp["query_start"], inp["num_seqs"], jnp.asarray(limit), inp["k_pages"], inp["v_pages"],
+                inp["layer"], jnp.asarray(table[:, :, r]), jnp.int32(r))
+        *args, rank = jax.device_put(args, device) if device else args
+        return f(*args, page_offset=rank)
+
+    parts = [partial(causal, r) for r in range(stride)]
+    out, lse = merge_partials(jnp.stack([o for o, _ in parts]), jnp.stack([x for _, x in parts]))
+    dense, dense_lse = dense_attention(inp, scale, with_lse=True)
+    real = int(qs[len(c.seqs)])
+    np.testing.assert_allclose(np.asarray(out, np.float64), dense, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse[:real], np.float64), dense_lse[:real], atol=1e-5, rtol=1e-5)
+    assert np.all(np.isneginf(np.asarray(lse[real:])))
+    for r in range(stride):
+        (got, got_lse), (want, want_lse) = partial(before, r), partial(before, r, paged_attention_partial)
+        assert got.dtype == got_lse.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+        np.testing.assert_array_equal(np.isneginf(np.asarray(got_lse)), np.isneginf(np.asarray(want_lse)))
+        np.testing.assert_allclose(np.asarray(got_lse), np.asarray(want_lse), atol=1e-5, rtol=1e-5)
 
 
 @on_cpu
@@ -344,12 +373,9 @@ def test_cpu_rope_write_attend_refuses_disagreeing_shapes():
 @on_cpu
 def test_cpu_backend_is_the_default_on_cpu_and_checked():
     assert choose_backend(None, "cpu", head_dim=8, page_size=16) == "cpu"
-    assert choose_backend(None, "cpu", head_dim=8, page_size=16, sp=2) == "xla"   # ring attention
     assert choose_backend(None, "gpu", head_dim=8, page_size=16) == "xla"         # Triton cannot tile it
     with pytest.raises(ValueError, match="CPU devices only, not gpu"):
         choose_backend("cpu", "gpu", head_dim=64, page_size=16)
-    with pytest.raises(ValueError, match="cpu attention backend does not run under sequence parallel"):
-        choose_backend("cpu", "cpu", head_dim=64, page_size=16, sp=2)
 
 
 def test_without_a_compiler_the_cpu_backend_says_why_and_the_default_falls_back(monkeypatch, tmp_path):
@@ -397,6 +423,16 @@ def test_lowers_for_cuda(dtype, heads: int, block_q: int | None):
 def test_lowers_for_cuda_with_log_sum_exp():
     f = functools.partial(ragged_paged_attention, sm_scale=0.088, return_lse=True)
     assert "__gpu$xla.gpu.triton" in lower_for_cuda(f, *realistic(jnp.bfloat16))
+
+
+def test_partial_lowers_for_cuda():
+    """A rank's pages under sp=4: page stride 4, the rank a traced offset."""
+    q, k, v, layer, table, _, query_start, num_seqs = realistic(jnp.bfloat16)
+    def f(*args):
+        return ragged_paged_attention_partial(*args[:-1], sm_scale=0.088, page_stride=4, page_offset=args[-1])
+
+    limit, rank = jax.ShapeDtypeStruct(q.shape[:1], jnp.int32), jax.ShapeDtypeStruct((), jnp.int32)
+    assert "__gpu$xla.gpu.triton" in lower_for_cuda(f, q, query_start, num_seqs, limit, k, v, layer, table, rank)
 
 
 def test_lowers_for_cuda_in_layer_scan():

@@ -9,13 +9,15 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.collectives import collective_report
-from jaxinfer.device.attention import attention
+from jaxinfer.device.attention import attention, ring
 from jaxinfer.device.kv_cache import PagedKVCache
 from jaxinfer.engine.core import RequestError
 from jaxinfer.engine.packer import pack, table_width
 from jaxinfer.engine.page_pool import PagePool, page_hashes
 from jaxinfer.engine.scheduler import ScheduledSequence, SchedulerOutput
+from jaxinfer.engine.warmup import warmup_shapes
 from jaxinfer.mesh import MeshConfig, MeshError
+from jaxinfer.random_model import DEFAULT
 from jaxinfer.sharding import Layout
 from jaxinfer.step import ring_order
 
@@ -72,9 +74,10 @@ def test_ring_order_gives_rank_r_chunks_r_and_2w_minus_1_minus_r():
 
 
 # ---- attention alone: the ring and the sharded decode against one device ------------------------------
-def _attend(layout: Layout, pool: PagePool, steps: list[list[tuple]], rng_seed: int = 0) -> list[np.ndarray]:
+def _attend(layout: Layout, pool: PagePool, steps: list[list[tuple]], rng_seed: int = 0,
+            backend: str = "xla") -> list[np.ndarray]:
     """Run attention (no model) on random q/k/v for a list of steps of (request, start, n, pages) and return
-    the outputs of the real tokens in token order, so two layouts can be compared."""
+    the outputs of the real tokens in token order, so two layouts (and backends) can be compared."""
     L, KV, H, D, P = 1, 2, 4, 16, pool.page_size
     cache = PagedKVCache.zeros(L, KV, pool.num_pages, P, D, jnp.float32, layout)
     inv_freq = 1.0 / 10000 ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D)
@@ -92,18 +95,19 @@ def _attend(layout: Layout, pool: PagePool, steps: list[list[tuple]], rng_seed: 
             y[:, np.argsort(order)[:n_real]] = x                  # token t sits where ring order put it
 
         def f(q, k, v, cache, meta):
-            return attention(q, k, v, cache, jnp.int32(0), inv_freq, meta, layout, "xla")
+            return attention(q, k, v, cache, jnp.int32(0), inv_freq, meta, layout, backend)
 
         out, cache = jax.jit(f)(*placed, cache, batch.meta)
         outs.append(np.asarray(out)[0, np.argsort(order)[:n_real]])
     return outs
 
 
-@pytest.mark.parametrize("sp", [2, 4])
-def test_ring_prefill_with_cached_context_and_sharded_decode_equal_one_device(sp):
+@pytest.mark.parametrize("sp,backend,P", [(2, "xla", 4), (4, "xla", 4), (2, "cpu", 8), (4, "cpu", 4),
+                                          (2, "pallas", 16)])
+def test_ring_prefill_with_cached_context_and_sharded_decode_equal_one_device(sp, backend, P):
     """Two sequences: a 3-chunk prefill (the later chunks attend to pages written by the earlier ones on
-    every rank), a chunk mixed with a decode, then decodes at long context."""
-    P = 4
+    every rank), a chunk mixed with a decode, then decodes at long context. Each rank's pages are read by
+    the backend's kernel (page stride sp, offset rank, the log-sum-exp out; Pallas in interpret mode)."""
     plans = []
     for ranks in (1, sp):
         pool = PagePool(64, P, ranks=ranks)
@@ -112,7 +116,7 @@ def test_ring_prefill_with_cached_context_and_sharded_decode_equal_one_device(sp
                              [("a", 60, 1, a), ("b", 37, 1, b)], [("b", 38, 1, b)]]))
     mesh = Layout(MeshConfig(sp=sp).make())
     ref = _attend(Layout(MeshConfig().make()), *plans[0])
-    for got, want in zip(_attend(mesh, *plans[1]), ref, strict=True):
+    for got, want in zip(_attend(mesh, *plans[1], backend=backend), ref, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
@@ -161,6 +165,11 @@ def test_sp4_prefill_permutes_w_minus_1_times_per_layer_and_decode_bytes_do_not_
         # the ring: W - 1 permutes per layer of each rank's K and V block [chunk / W tokens, 2, KV, D]
         permutes = {"count": L * (W - 1), "bytes": L * (W - 1) * chunk // W * 2 * KV * D * 4}
         assert r["prefill"]["collective-permute"] == permutes
+        # keys cached before the step (the 200-token prompt's last chunk): q all-gathered, partials all-to-all
+        # back; a prompt's first chunk has none, and neither collective
+        layers = L if chunk == 16 else 0
+        assert r["prefill"]["all-gather"] == {"count": layers, "bytes": layers * chunk * H * D * 4}
+        assert r["prefill"]["all-to-all"] == {"count": layers, "bytes": layers * chunk * H * (D + 1) * 4}
         # decode: one all-gather of q, k, v and one all-to-all of (out, lse) per layer, for the 2W-token bucket
         N = 2 * W
         decode = r["decode"]
@@ -170,11 +179,32 @@ def test_sp4_prefill_permutes_w_minus_1_times_per_layer_and_decode_bytes_do_not_
     assert reports[20]["decode"] == reports[200]["decode"]
 
 
+def test_sp_warmup_compiles_each_prompt_step_with_and_without_cached_context(sp4):
+    shapes, packer = warmup_shapes(sp4.engine), sp4.engine.packer
+    prompts = [(n, s, cached) for n, s, ring, cached in shapes if ring]
+    assert prompts == [(n, min(n, packer.max_seqs), c) for n in packer.prefill_sizes for c in (False, True)]
+    assert all(cached for *_, ring, cached in shapes if not ring)     # decode steps: one program each
+
+
 def test_sp_meshes_a_model_cannot_serve_are_refused_before_compiling(hf_tiny):
     with pytest.raises(MeshError, match="sp=8 exceeds the 4 KV pages of the model's 512-token context"):
         LLM(hf_tiny / "llama", mesh="sp=8", page_size=128)
-    with pytest.raises(ValueError, match="pallas attention backend does not run under sequence parallel"):
-        LLM(hf_tiny / "llama", mesh="sp=2", attention_backend="pallas")
+
+
+def test_sp2_on_the_pallas_kernel_gives_one_devices_logits_and_tokens():
+    """The Pallas kernel (interpret mode on CPU) reads each rank's pages: a 100-token prompt in two chunks
+    (the second attends to the first's pages on both ranks), then decodes. (head_dim 16: the llama
+    fixture's 8 is below what Triton tiles.)"""
+    config = {**DEFAULT, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2}
+    one, sp2 = (LLM.random(config, mesh=mesh, dtype="float32", max_tokens_per_step=64, compilation_cache=False,
+                           attention_backend=backend) for mesh, backend in ((None, "xla"), ("sp=2", "pallas")))
+    assert sp2.engine.runner.backend == "pallas"
+    long = prompt(100, seed=5)
+    np.testing.assert_allclose(sp2.logits([long])[0], one.logits([long])[0], atol=TOL, rtol=0)
+    assert sp2.generate([long], GREEDY)[0].token_ids == one.generate([long], GREEDY)[0].token_ids
+    for llm in (one, sp2):
+        llm.close()
 
 
 def test_sixteen_concurrent_requests_at_sp2_with_preemption_equal_each_alone(hf_tiny):
@@ -188,3 +218,23 @@ def test_sixteen_concurrent_requests_at_sp2_with_preemption_equal_each_alone(hf_
     assert together == [llm.generate([p], params)[0].token_ids for p in prompts]
     pool = llm.engine.schedulers[0].pool
     assert pool.available == pool.num_pages == 6 and not llm.engine.has_unfinished()
+
+
+def test_a_4k_prompt_at_sp4_gives_one_devices_logits_with_ring_memory_of_a_key_tile(monkeypatch):
+    """4096 tokens in one step at sp=4, the C++ kernel reading the pages: the logits of one device, and the
+    step's temporaries on a rank bounded by a key tile's scores, not a whole block's (each rank holds n =
+    1024 tokens; a block of n keys would make n x H x n scores, 16 MiB here, and the step ~50 MiB)."""
+    monkeypatch.setattr(ring, "KEY_TILE", 128)
+    config = {**DEFAULT, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096}
+    long = prompt(4096)
+    one, sp4 = (LLM.random(config, mesh=mesh, dtype="float32", max_tokens_per_step=4096, compilation_cache=False)
+                for mesh in (None, "sp=4"))
+    assert sp4.engine.runner.backend == "cpu"
+    np.testing.assert_allclose(sp4.logits([long])[0], one.logits([long])[0], atol=TOL, rtol=0)
+    n, H = 4096 // 4, config["num_attention_heads"]
+    tile_scores = n * H * ring.KEY_TILE * 4                    # float32 scores of a rank's tokens over one tile
+    temp = sp4.engine.runner.last["score"].memory_analysis().temp_size_in_bytes
+    assert temp < 4 * tile_scores < n * H * n * 4             # scores, weights, exponentials and the rest
+    for llm in (one, sp4):
+        llm.close()

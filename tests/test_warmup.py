@@ -33,7 +33,7 @@ def test_warmup_compiles_the_serving_buckets_and_generate_compiles_nothing_new(l
     shapes = warmup_shapes(llm.engine)
     # decodes of 1 and 2 sequences, and prompt steps of the 16-token budget with both sequence slots (a lone
     # prompt too); one page-table width (the 512-token context's 32 entries) for every sequence length
-    assert shapes == [(1, 1, False), (2, 2, False), (16, 2, False)]
+    assert shapes == [(1, 1, False, True), (2, 2, False, True), (16, 2, False, True)]
     assert llm.engine.packer.table_width == 32
     assert llm.warmup(progress=False) == len(shapes) == llm.engine.compilations
     prompts = [list(range(10, 17)), list(range(20, 28))]   # one 15-token prefill step, then decodes of 2

@@ -2,18 +2,22 @@
 against context length.
 
     python -m jaxinfer.bench.sequence                      # random-weight long-context Llama, defaults below
-    python -m jaxinfer.bench.sequence --prompt-len 16384 --sp 1 2 4 8 --json
+    python -m jaxinfer.bench.sequence --prompt-len 4096 16384 32768 --sp 1 2 4 --json
 
-- Prefill: one prompt of --prompt-len tokens computed in one step (the whole prompt is one ring), on the
+- Prefill: one prompt of each --prompt-len computed in one step (the whole prompt is one ring), on the
   first sp devices. Time of that step (compilation excluded, measured on a second prompt of the same
-  length), tokens/s, and eta = T_1 / (sp x T_sp): the fraction of sp devices' time that does useful work.
-  Below 0.6 the parallelism is not paying.
+  length), tokens/s, eta = T_1 / (sp x T_sp): the fraction of sp devices' time that does useful work
+  (below 0.6 the parallelism is not paying), and the memory per rank: the compiled step's temporaries
+  (XLA's buffer assignment: the peak of what the step allocates beyond its inputs and outputs) and, where
+  the platform reports it (GPU), the device's peak bytes in use.
 - Decode: one request at each --contexts length, decode ms per token (decode-only steps, compilation
   excluded), at --decode-sp sizes; KV bytes per device: the pages of the sequence on its busiest rank.
 - The collectives of each compiled step: the ring's collective-permutes (prefill), the decode merge's
   all-gather and all-to-all, counts and bytes per device.
 On CPU all fake devices share the host's cores, so sp ranks do not compute in parallel as accelerators
-would: eta here measures the split's overheads (communication, the ring's merge), not its speed-up.
+would: eta here measures the split's overheads (communication, the ring's merge), not its speed-up. The
+attention backend is the same at every sp (the platform's kernel reads the pages; fresh ring blocks run
+on the tiled jnp block attention at sp > 1, which sp = 1 does not need).
 """
 
 from __future__ import annotations
@@ -25,16 +29,16 @@ import numpy as np
 
 from jaxinfer.cli import DTYPES, bench_command
 
-PROMPT_LEN, CONTEXTS = 4096, (1024, 4096)
+PROMPT_LENS, CONTEXTS = (4096,), (1024, 4096)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jaxinfer.bench.sequence", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: the random-weight "
-                   "long-context Llama BENCH_LONG, 16k context)")
+                   "long-context Llama BENCH_LONG, 64k context)")
     p.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4, 8], help="sp sizes for the prefill")
     p.add_argument("--decode-sp", type=int, nargs="+", default=[1, 2, 4], help="sp sizes for decode")
-    p.add_argument("--prompt-len", type=int, default=PROMPT_LEN, help="prefill prompt tokens")
+    p.add_argument("--prompt-len", type=int, nargs="+", default=list(PROMPT_LENS), help="prefill prompt tokens")
     p.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS), help="decode context lengths")
     p.add_argument("--decode-tokens", type=int, default=16, help="tokens generated per decode measurement")
     p.add_argument("--dtype", default=None, choices=DTYPES,
@@ -65,14 +69,25 @@ def _collectives(llm, phase: str) -> dict:
     return {k: v for k, v in report.items() if v["count"] and k in ("collective-permute", "all-gather", "all-to-all")}
 
 
-def prefill(path, sp: int, args: argparse.Namespace, dtype: str) -> dict:
-    llm = _llm(path, sp, dtype, args.prompt_len)
+def step_memory(llm, phase: str) -> dict:
+    """Memory per rank of the last `phase` step: its compiled temporaries, and the device's peak in use where
+    the platform keeps count (jax.Device.memory_stats: GPU and TPU, not XLA:CPU)."""
+    analysis = llm.engine.runner.last[phase].memory_analysis()
+    stats = llm.layout.mesh.devices.flat[0].memory_stats() or {}
+    return {"temp_bytes": analysis.temp_size_in_bytes, "peak_bytes_in_use": stats.get("peak_bytes_in_use")}
+
+
+def prefill(path, sp: int, prompt_len: int, dtype: str) -> dict:
+    llm = _llm(path, sp, dtype, prompt_len)
     rng = np.random.default_rng(sp)
-    prompt = lambda: rng.integers(4, llm.config.vocab_size, args.prompt_len).tolist()  # noqa: E731
+    prompt = lambda: rng.integers(4, llm.config.vocab_size, prompt_len).tolist()  # noqa: E731
     _run(llm, prompt(), 1)                                                   # compiles
     s = _run(llm, prompt(), 1)
-    return {"sp": sp, "seconds": s.prefill_seconds, "tokens_per_second": args.prompt_len / s.prefill_seconds,
-            "collectives": _collectives(llm, "prefill")}
+    row = {"sp": sp, "prompt_len": prompt_len, "seconds": s.prefill_seconds,
+           "tokens_per_second": prompt_len / s.prefill_seconds, "backend": llm.engine.runner.backend,
+           "collectives": _collectives(llm, "prefill"), **step_memory(llm, "prefill")}
+    llm.close()
+    return row
 
 
 def decode(path, sp: int, args: argparse.Namespace, dtype: str) -> list[dict]:
@@ -102,16 +117,21 @@ def run(args: argparse.Namespace) -> dict:
 
     path = args.model or random_model.ensure("bench-long-random-llama", random_model.BENCH_LONG)
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-    pre = [prefill(path, sp, args, dtype) for sp in args.sp]
+    pre = []
+    for n in args.prompt_len:
+        for sp in args.sp:
+            pre.append(prefill(path, sp, n, dtype))
+            print(f"prefill {n} tokens at sp={sp}: {pre[-1]['seconds']:.2f} s, {pre[-1]['temp_bytes'] / 2**20:.1f} MiB "
+                  "of temporaries per rank", file=sys.stderr, flush=True)   # a long run shows its progress
     for r in pre:
-        r["eta"] = pre[0]["seconds"] / (r["sp"] * r["seconds"])
+        first = next(x for x in pre if x["prompt_len"] == r["prompt_len"])
+        r["eta"] = first["seconds"] / (r["sp"] * r["seconds"])
     dec = [row for sp in args.decode_sp for row in decode(path, sp, args, dtype)]
     base = {r["context"]: r["ms_per_token"] for r in dec if r["sp"] == args.decode_sp[0]}
     for r in dec:
         r["x_sp1"] = r["ms_per_token"] / base[r["context"]]
     return {"model": str(path), "label": "BENCH_LONG (random weights)" if args.model is None else str(path),
-            "dtype": jnp.dtype(dtype).name, "platform": jax.devices()[0].platform, "prompt_len": args.prompt_len,
-            "prefill": pre, "decode": dec}
+            "dtype": jnp.dtype(dtype).name, "platform": jax.devices()[0].platform, "prefill": pre, "decode": dec}
 
 
 def _fmt(collectives: dict) -> str:
@@ -120,11 +140,12 @@ def _fmt(collectives: dict) -> str:
 
 def readable(r: dict) -> str:
     lines = [f"model     {r['label']}, {r['dtype']} on {r['platform']}",
-             f"prefill of one {r['prompt_len']}-token prompt in one step",
-             f"{'sp':>3} {'seconds':>8} {'tok/s':>9} {'eta':>6}  collectives per device"]
+             "prefill of one prompt in one step; memory per rank: the step's temporaries (GPU: peak in use)",
+             f"{'tokens':>6} {'sp':>3} {'seconds':>8} {'tok/s':>9} {'eta':>6} {'temp MiB':>9}  collectives per device"]
     for x in r["prefill"]:
-        lines.append(f"{x['sp']:>3} {x['seconds']:>8.3f} {x['tokens_per_second']:>9.1f} {x['eta']:>6.2f}  "
-                     f"{_fmt(x['collectives'])}")
+        peak = f" (peak {x['peak_bytes_in_use'] / 2**20:,.0f})" if x.get("peak_bytes_in_use") else ""
+        lines.append(f"{x['prompt_len']:>6} {x['sp']:>3} {x['seconds']:>8.3f} {x['tokens_per_second']:>9.1f} "
+                     f"{x['eta']:>6.2f} {x['temp_bytes'] / 2**20:>9.1f}{peak}  {_fmt(x['collectives'])}")
     lines += ["eta = T_1 / (sp x T_sp); below 0.6 the parallelism is not paying",
               "decode of one sequence against its context",
               f"{'sp':>3} {'context':>8} {'ms/token':>9} {'x sp=1':>7} {'KV MiB/device':>13}  collectives per device"]

@@ -113,7 +113,7 @@ class Engine:
         device = next(d for d in layout.mesh.devices.flat if d.process_index == jax.process_index())  # one of ours
         self.sp = layout.axis_size("seq")                                 # sp: ranks a sequence is split over
         validate_sp(self.sp, cfg.context_length, config.page_size)
-        backend = choose_backend(config.attention_backend, layout.platform, cfg.head_dim, config.page_size, self.sp)
+        backend = choose_backend(config.attention_backend, layout.platform, cfg.head_dim, config.page_size)
         tp = layout.axis_size("kv_heads")
         self.kv_heads = cfg.num_kv_heads * kv_head_repeat(cfg, tp)      # after replication for tp
         self.stages = layout.axis_size("layers")                          # pp: pipeline stages

@@ -117,7 +117,8 @@ def pack(outputs: list[SchedulerOutput], page_size: int, pool_pages: int, width:
     targets = None if targets is None else targets[:, order]
     logits_index = np.argsort(order).astype(np.int32)[logits_index]
     ring = sp > 1 and any(o.prefill for o in outputs)
-    meta = StepMetadata(positions, slots, page_table, seq_lens, query_start, num_seqs, token_seq, ring)
+    cached = not ring or any(seq.start > 0 for o in outputs for seq in o.sequences)   # False: a ring step with none
+    meta = StepMetadata(positions, slots, page_table, seq_lens, query_start, num_seqs, token_seq, ring, cached)
     sampling = sampling.replace(top_logprobs=MAX_LOGPROBS if logprobs else 0)
     return StepBatch(tokens, logits_index, seq_lens.reshape(-1), sampling, meta, feed, targets, prompt_top)
 
@@ -172,7 +173,9 @@ class Packer:
         outputs = [mb or empty for mb in stages]
         shape = shape or tuple(map(max, *(self.shape(o) for o in outputs)))
         ring = self.sp > 1 and any(o.prefill for mb in outputs for o in mb)
-        batches = [b.replace(meta=b.meta.replace(ring=ring)) for b in (self.pack(o, shape, failures) for o in outputs)]
+        cached = not ring or any(seq.start > 0 for mb in outputs for o in mb for seq in o.sequences)
+        batches = [b.replace(meta=b.meta.replace(ring=ring, cached=cached))
+                   for b in (self.pack(o, shape, failures) for o in outputs)]
         meta = jax.tree.map(lambda *m: np.stack(m), *(b.meta for b in batches))
         first, last = batches[0], batches[-1]
         active = np.array([has_work(mb) for mb in stages])

@@ -6,7 +6,8 @@ Every combination is dozens of executables (seconds each on CPU), so the warm-up
 hits:
 - decode steps: S running sequences of one token each (N = S), S = 1, 2, 4 .. max_num_seqs;
 - prompt steps: N = the token budget, a quarter of it, .. down to 16 (Packer.prefill_sizes), each with as
-  many sequence slots as it may hold (Packer.shape): every step with prompt tokens takes one of these.
+  many sequence slots as it may hold (Packer.shape): every step with prompt tokens takes one of these;
+  under sp twice, with and without keys cached before the step (StepMetadata.cached).
 Greedy and sampled requests share these (sampling is data, not shape). Not covered, compiled on first use:
 requests asking for log-probabilities, scoring (LLM.logits), and pipeline parallel (pp > 1), whose steps
 carry the microbatches in flight.
@@ -31,7 +32,7 @@ from jaxinfer.engine.scheduler import SchedulerOutput
 log = logging.getLogger("jaxinfer")
 THREADS = 4   # at most: each holds a bucket's program while it compiles
 
-Shape = tuple[int, int, bool]   # tokens, sequences (per replica); ring prefill (sp)
+Shape = tuple[int, int, bool, bool]   # tokens, sequences (per replica); ring prefill (sp); cached context
 
 
 def powers_of_two(upto: int) -> list[int]:
@@ -41,8 +42,9 @@ def powers_of_two(upto: int) -> list[int]:
 def warmup_shapes(engine: Engine) -> list[Shape]:
     """The buckets the warm-up compiles (see the module docstring), rounded as jaxinfer.engine.packer rounds them."""
     packer = engine.packer
-    decode = [(token_bucket(s, packer.sp), s, False) for s in powers_of_two(packer.max_seqs)]
-    prefill = [(n, min(n, packer.max_seqs), packer.sp > 1) for n in packer.prefill_sizes]
+    decode = [(token_bucket(s, packer.sp), s, False, True) for s in powers_of_two(packer.max_seqs)]
+    prefill = [(n, min(n, packer.max_seqs), packer.sp > 1, cached) for n in packer.prefill_sizes
+               for cached in ((False, True) if packer.sp > 1 else (True,))]
     return list(dict.fromkeys([*decode, *prefill]))
 
 
@@ -55,10 +57,10 @@ def warmup(engine: Engine, progress: bool = True, stored_only: bool = False) -> 
     before, idle = engine.compilations, [SchedulerOutput([])] * len(engine.schedulers)
 
     def compile_one(shape: Shape) -> None:
-        n, s, ring = shape
+        n, s, ring, cached = shape
         batch = engine.packer.pack(idle, (n, s))
         if ring:  # prefill under sp: fresh K/V travel the ring
-            batch = batch.replace(meta=batch.meta.replace(ring=True))
+            batch = batch.replace(meta=batch.meta.replace(ring=True, cached=cached))
         engine.runner.compile("step", batch, stored_only)
 
     shapes = warmup_shapes(engine)

@@ -8,7 +8,7 @@ over its own sequence's pages. How it runs is engine configuration, not model co
 All run per device (paged.py); RoPE and the cache writes are the references' under "xla", a kernel of
 their own under "pallas", and part of the attention kernel's one call per layer under "cpu".
 Under sequence parallel (sp > 1) attention is ring.py's: ring attention for prefill and decode over KV
-pages sharded across sp, on the jnp partial-attention reference.
+pages sharded across sp, each rank's pages read by the backend's kernel with its log-sum-exp out.
 Every backend serves quantized pages too (EngineConfig.kv_cache_dtype int8 / fp8; jaxinfer/device/kv_cache.py):
 K and V quantized where they are written, dequantized inside attention where the pages are read.
 """
@@ -37,7 +37,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, lay
     chex.assert_shape(inv_freq, (q.shape[-1] // 2,))
     chex.assert_equal_shape([cache.k, cache.v])
     if layout.axis_size("seq") > 1:
-        return ring.attention(q, k, v, cache, layer, inv_freq, meta, layout)
+        return ring.attention(q, k, v, cache, layer, inv_freq, meta, layout, backend)
     if backend == "cpu":
         return paged.rope_write_attend(q, k, v, cache, layer, meta, inv_freq, layout)
     q, cache = paged.rope_and_store(q, k, v, cache, layer, meta, inv_freq, layout, backend)
@@ -49,21 +49,15 @@ def pallas_supports(head_dim: int, page_size: int) -> bool:
     return all(n >= 16 and n & (n - 1) == 0 for n in (head_dim, page_size))
 
 
-def choose_backend(requested: str | None, platform: str, head_dim: int, page_size: int, sp: int = 1) -> str:
+def choose_backend(requested: str | None, platform: str, head_dim: int, page_size: int) -> str:
     """The platform's kernel where it can serve the shapes (Pallas on GPU, the C++ kernel on CPU), else the
-    reference; an explicit choice is checked. Under sp, attention is ring attention over the reference's
-    partials."""
+    reference; an explicit choice is checked. Under sp the same kernels read each rank's pages (ring.py)."""
     if requested is None:
-        if sp > 1:
-            return "xla"
         if platform == "gpu" and pallas_supports(head_dim, page_size):
             return "pallas"
         return "cpu" if platform == "cpu" and cpu.available() else "xla"
     if requested not in BACKENDS:
         raise ValueError(f"attention backend {requested!r} is not one of {', '.join(BACKENDS)}")
-    if requested != "xla" and sp > 1:
-        raise ValueError(f"the {requested} attention backend does not run under sequence parallel (sp={sp}): "
-                         f"use attention_backend='xla' (ring attention)")
     if requested == "pallas" and not pallas_supports(head_dim, page_size):
         raise ValueError(f"the pallas attention backend needs head_dim and page_size to be powers of two >= 16; "
                          f"this model has head_dim {head_dim} and the cache page_size {page_size}: use "

@@ -27,7 +27,9 @@ SOURCE = Path(__file__).with_name("paged_attention_cpu.cc")
 TARGETS = {"jaxinfer_ragged_paged_attention": "RaggedPagedAttention", "jaxinfer_rope_write_attend": "RopeWriteAttend",
            # int8 / float8_e4m3fn pages with their bf16 scales (pallas_kernels/kv_quant.py)
            "jaxinfer_ragged_paged_attention_quantized": "RaggedPagedAttentionQuantized",
-           "jaxinfer_rope_write_attend_quantized": "RopeWriteAttendQuantized"}
+           "jaxinfer_rope_write_attend_quantized": "RopeWriteAttendQuantized",
+           "jaxinfer_paged_attention_partial": "PagedAttentionPartial",
+           "jaxinfer_paged_attention_partial_quantized": "PagedAttentionPartialQuantized"}
 FLAGS = native.FLAGS
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -70,6 +72,26 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, k_pages, v_pages, *scales, *map(_i32, (layer, page_table, seq_lens, query_start, num_seqs)),
                 sm_scale=np.float32(sm_scale))
+
+
+def paged_attention_partial(q: jax.Array, query_start: jax.Array, num_seqs: jax.Array, kv_limit: jax.Array,
+                            k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array, page_table: jax.Array, *,
+                            sm_scale: float, page_stride: int = 1, page_offset: jax.Array | int = 0,
+                            k_scales: jax.Array | None = None,
+                            v_scales: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The contract of the reference's `paged_attention_partial` on one CPU device: float32 (out [N, H, D],
+    lse [N, H]) of each token over the keys of its sequence's table entries (entry j: page j * page_stride +
+    page_offset) at positions below kv_limit; what sequence parallel's ranks merge."""
+    scales = _scales(k_pages, k_scales, v_scales)
+    if reason := _register():
+        raise BuildError(reason)
+    n, h, d = q.shape
+    target = "jaxinfer_paged_attention_partial" + ("_quantized" if scales else "")
+    call = jax.ffi.ffi_call(target, (jax.ShapeDtypeStruct((n, h, d), np.float32),
+                                     jax.ShapeDtypeStruct((n, h), np.float32)))
+    return call(q, k_pages, v_pages, *scales, *map(_i32, (layer, page_table, query_start, num_seqs, kv_limit,
+                                                          page_offset)),
+                page_stride=np.int64(page_stride), sm_scale=np.float32(sm_scale))
 
 
 def rope_write_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,

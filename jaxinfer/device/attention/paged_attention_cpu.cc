@@ -21,6 +21,12 @@
 // attends. One call instead of a dozen small XLA operations per layer, each of which costs more to launch
 // than its work on a decode step.
 //
+// PagedAttentionPartial (and its Quantized twin) is the contract of paged_attention_partial in the same
+// Python module, which sequence parallel runs on every rank: each token over part of its sequence's keys
+// (table entry j holds the sequence's page j * page_stride + page_offset; token t sees positions below
+// kv_limit[t]), with float32 results [N, H, D] and the log-sum-exp [N, H] (-inf where no key is visible),
+// so the ranks' partials merge exactly.
+//
 // Quantized pages (RaggedPagedAttentionQuantized, RopeWriteAttendQuantized): the pools hold int8 or
 // float8_e4m3fn, with bf16 scales [L, KV, P, page, 1] (one per token and kv head) as two more operands
 // (and, for the write, two more results aliased to them). The write quantizes each rotated k and each v
@@ -423,30 +429,63 @@ void accumulate(float* acc, int64_t rows, int64_t d, const float* correction, co
     });
 }
 
-// Attention of every real token over its sequence's pages (q rotated first where rope.cos is set); pages of
-// another type than T (S: int8, FP8) are dequantized a tile at a time with their scales.
-template <typename T, typename S>
-void attend(const Shape& s, const T* q, const S* k_pages, const S* v_pages, const Scales& scales, int32_t layer,
-            const int32_t* table, const int32_t* seq_lens, const int32_t* query_start, int32_t num_seqs, float scale,
-            T* out, ffi::ThreadPool& pool, const Rope& rope = {}) {
-  const int64_t group = s.heads / s.kv_heads, d = s.d, page = s.page;
-  std::fill(out, out + s.n * s.heads * d, T{});
-  layer = std::clamp<int32_t>(layer, 0, static_cast<int32_t>(s.layers) - 1);
-  num_seqs = std::clamp<int32_t>(num_seqs, 0, static_cast<int32_t>(s.slots));
-
-  // Each real token's number of visible keys (its position + 1, as far as the table reaches), and the
-  // work: (sequence, block of its tokens, kv head).
+// Each token's number of visible keys, counted along its sequence's table (entry j's keys are keys j * page
+// to j * page + page - 1): the real tokens' causal counts, their position + 1, as far as the table reaches.
+std::vector<int32_t> causal_visible(const Shape& s, const int32_t* seq_lens, const int32_t* query_start,
+                                    int32_t num_seqs) {
   std::vector<int32_t> visible(s.n, 0);
+  for (int32_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t begin = std::clamp<int64_t>(query_start[seq], 0, s.n);
+    const int64_t end = std::clamp<int64_t>(query_start[seq + 1], begin, s.n);
+    for (int64_t t = begin; t < end; ++t)
+      visible[t] = static_cast<int32_t>(std::clamp<int64_t>(seq_lens[seq] - (end - t) + 1, 0, s.width * s.page));
+  }
+  return visible;
+}
+
+// The same for a part of each sequence's pages: table entry j holds the sequence's page j * stride + offset
+// (a rank of sp holds every sp-th page), and token t sees the keys at positions below kv_limit[t]. Positions
+// grow along the table, so a token's visible keys are a prefix of it: the entries wholly below the limit, and
+// part of the next.
+std::vector<int32_t> limit_visible(const Shape& s, const int32_t* kv_limit, const int32_t* query_start,
+                                   int32_t num_seqs, int64_t stride, int64_t offset) {
+  std::vector<int32_t> visible(s.n, 0);
+  const int64_t page = s.page;
+  for (int32_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t begin = std::clamp<int64_t>(query_start[seq], 0, s.n);
+    const int64_t end = std::clamp<int64_t>(query_start[seq + 1], begin, s.n);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t limit = kv_limit[t], pages = (limit + page - 1) / page;   // sequence pages touched
+      const int64_t entries = std::clamp<int64_t>((pages - offset + stride - 1) / stride, 0, s.width);
+      if (entries == 0) continue;
+      const int64_t last_first = ((entries - 1) * stride + offset) * page;   // first position of the last entry
+      visible[t] = static_cast<int32_t>((entries - 1) * page + std::clamp<int64_t>(limit - last_first, 0, page));
+    }
+  }
+  return visible;
+}
+
+// Attention of every real token over the first visible[t] keys along its sequence's table (q rotated first
+// where rope.cos is set); pages of another type than T (S: int8, FP8) are dequantized a tile at a time with
+// their scales. out [N, H, D] in O (T, or float32 for partials); lse [N, H] float32 where given (-inf for a
+// row that sees no key, whose output is 0).
+template <typename T, typename S, typename O>
+void attend(const Shape& s, const T* q, const S* k_pages, const S* v_pages, const Scales& scales, int32_t layer,
+            const int32_t* table, const std::vector<int32_t>& visible, const int32_t* query_start, int32_t num_seqs,
+            float scale, O* out, float* lse, ffi::ThreadPool& pool, const Rope& rope = {}) {
+  const int64_t group = s.heads / s.kv_heads, d = s.d, page = s.page;
+  std::fill(out, out + s.n * s.heads * d, O{});
+  if (lse != nullptr) std::fill(lse, lse + s.n * s.heads, -std::numeric_limits<float>::infinity());
+  layer = std::clamp<int32_t>(layer, 0, static_cast<int32_t>(s.layers) - 1);
+
+  // The work: (sequence, block of its tokens, kv head).
   std::vector<Item> items;
   const int64_t block_tokens = std::max<int64_t>(1, kBlockRows / group);
   int64_t work = 0;
   for (int32_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t begin = std::clamp<int64_t>(query_start[seq], 0, s.n);
     const int64_t end = std::clamp<int64_t>(query_start[seq + 1], begin, s.n);
-    for (int64_t t = begin; t < end; ++t) {
-      visible[t] = static_cast<int32_t>(std::clamp<int64_t>(seq_lens[seq] - (end - t) + 1, 0, s.width * page));
-      work += visible[t];
-    }
+    for (int64_t t = begin; t < end; ++t) work += visible[t];
     for (int64_t t = begin; t < end; t += block_tokens)
       for (int64_t g = 0; g < s.kv_heads; ++g)
         items.push_back({seq, static_cast<int32_t>(t), static_cast<int32_t>(std::min(block_tokens, end - t)),
@@ -520,9 +559,10 @@ void attend(const Shape& s, const T* q, const S* k_pages, const S* v_pages, cons
     for (int64_t r = 0; r < rows; ++r) {
       if (l[r] == 0.f) continue;
       const int64_t t = it.first + r / group, h = it.kv_head * group + r % group;
-      T* o = out + (t * s.heads + h) * d;
+      O* o = out + (t * s.heads + h) * d;
       const float inv = 1.f / l[r];
       for (int64_t x = 0; x < d; ++x) from_float(acc[r * d + x] * inv, o + x);
+      if (lse != nullptr) lse[t * s.heads + h] = m[r] + std::log(l[r]);
     }
   };
   // Threads pay off only past a few hundred thousand multiply-adds (a decode step of short sequences runs
@@ -616,9 +656,68 @@ ffi::Error Attention(ffi::ThreadPool& pool, ffi::AnyBuffer& q, ffi::AnyBuffer& k
   return by_dtypes(q.element_type(), k_pages.element_type(), [&](auto tag, auto pool_tag) {
     using T = decltype(tag);
     using S = decltype(pool_tag);
+    const int32_t n = std::clamp<int32_t>(*num_seqs.typed_data(), 0, static_cast<int32_t>(s->slots));
     attend(*s, data<T>(q), data<S>(k_pages), data<S>(v_pages), scales, *layer.typed_data(), page_table.typed_data(),
-           seq_lens.typed_data(), query_start.typed_data(), *num_seqs.typed_data(), sm_scale, data<T>(out), pool);
+           causal_visible(*s, seq_lens.typed_data(), query_start.typed_data(), n), query_start.typed_data(), n,
+           sm_scale, data<T>(out), static_cast<float*>(nullptr), pool);
   });
+}
+
+// Attention over part of each sequence's keys (paged_attention_partial's contract): float32 out and lse.
+ffi::Error Partial(ffi::ThreadPool& pool, ffi::AnyBuffer& q, ffi::AnyBuffer& k_pages, ffi::AnyBuffer& v_pages,
+                   ffi::AnyBuffer* k_scales, ffi::AnyBuffer* v_scales, ffi::BufferR0<ffi::S32>& layer,
+                   ffi::BufferR2<ffi::S32>& page_table, ffi::BufferR1<ffi::S32>& query_start,
+                   ffi::BufferR0<ffi::S32>& num_seqs, ffi::BufferR1<ffi::S32>& kv_limit,
+                   ffi::BufferR0<ffi::S32>& page_offset, int64_t page_stride, float sm_scale, ffi::AnyBuffer& out,
+                   ffi::AnyBuffer& lse) {
+  // seq_lens is checked against the table's slots: query_start stands in for it, one longer
+  const auto qd = q.dimensions(), kd = k_pages.dimensions(), td = page_table.dimensions();
+  if (qd.size() != 3 || kd.size() != 5) return ffi::Error::InvalidArgument("q must be rank 3 and the pages rank 5");
+  const Shape s{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], kd[3], td[0], td[1]};
+  const auto pool_type = k_pages.element_type();
+  const bool pools_ok =
+      k_scales == nullptr
+          ? pool_type == q.element_type()
+          : (pool_type == ffi::DataType::S8 || pool_type == ffi::DataType::F8E4M3FN) && scales_fit(*k_scales, kd) &&
+                scales_fit(*v_scales, kd);
+  const auto od = out.dimensions(), ld = lse.dimensions();
+  if (!pools_ok || kd[4] != s.d || s.kv_heads <= 0 || s.heads % s.kv_heads != 0 || s.page <= 0 || s.pages <= 0 ||
+      query_start.dimensions()[0] != s.slots + 1 || kv_limit.dimensions()[0] != s.n || page_stride < 1 ||
+      !std::equal(kd.begin(), kd.end(), v_pages.dimensions().begin(), v_pages.dimensions().end()) ||
+      v_pages.element_type() != pool_type || out.element_type() != ffi::DataType::F32 ||
+      lse.element_type() != ffi::DataType::F32 || !std::equal(qd.begin(), qd.end(), od.begin(), od.end()) ||
+      ld.size() != 2 || ld[0] != s.n || ld[1] != s.heads)
+    return ffi::Error::InvalidArgument("paged attention partial: operand shapes or dtypes disagree");
+  const Scales scales{data<BF16>(k_scales), data<BF16>(v_scales)};
+  const int32_t n = std::clamp<int32_t>(*num_seqs.typed_data(), 0, static_cast<int32_t>(s.slots));
+  const auto visible = limit_visible(s, kv_limit.typed_data(), query_start.typed_data(), n, page_stride,
+                                     std::max<int32_t>(*page_offset.typed_data(), 0));
+  return by_dtypes(q.element_type(), k_pages.element_type(), [&](auto tag, auto pool_tag) {
+    using T = decltype(tag);
+    using S = decltype(pool_tag);
+    attend(s, data<T>(q), data<S>(k_pages), data<S>(v_pages), scales, *layer.typed_data(), page_table.typed_data(),
+           visible, query_start.typed_data(), n, sm_scale, data<float>(out), data<float>(lse), pool);
+  });
+}
+
+ffi::Error PagedAttentionPartialImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                                     ffi::AnyBuffer v_pages, ffi::BufferR0<ffi::S32> layer,
+                                     ffi::BufferR2<ffi::S32> page_table, ffi::BufferR1<ffi::S32> query_start,
+                                     ffi::BufferR0<ffi::S32> num_seqs, ffi::BufferR1<ffi::S32> kv_limit,
+                                     ffi::BufferR0<ffi::S32> page_offset, int64_t page_stride, float sm_scale,
+                                     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse) {
+  return Partial(pool, q, k_pages, v_pages, nullptr, nullptr, layer, page_table, query_start, num_seqs, kv_limit,
+                 page_offset, page_stride, sm_scale, *out, *lse);
+}
+
+ffi::Error PagedAttentionPartialQuantizedImpl(
+    ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyBuffer k_scales,
+    ffi::AnyBuffer v_scales, ffi::BufferR0<ffi::S32> layer, ffi::BufferR2<ffi::S32> page_table,
+    ffi::BufferR1<ffi::S32> query_start, ffi::BufferR0<ffi::S32> num_seqs, ffi::BufferR1<ffi::S32> kv_limit,
+    ffi::BufferR0<ffi::S32> page_offset, int64_t page_stride, float sm_scale, ffi::Result<ffi::AnyBuffer> out,
+    ffi::Result<ffi::AnyBuffer> lse) {
+  return Partial(pool, q, k_pages, v_pages, &k_scales, &v_scales, layer, page_table, query_start, num_seqs, kv_limit,
+                 page_offset, page_stride, sm_scale, *out, *lse);
 }
 
 ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
@@ -677,9 +776,10 @@ ffi::Error RopeWrite(ffi::ThreadPool& pool, ffi::AnyBuffer& q, ffi::AnyBuffer& k
     using T = decltype(tag);
     using S = decltype(pool_tag);
     write_kv(*s, data<T>(k), data<T>(v), slots.typed_data(), lyr, rope, data<S>(*w.k_out), data<S>(*w.v_out), scales);
+    const int32_t n = std::clamp<int32_t>(*num_seqs.typed_data(), 0, static_cast<int32_t>(s->slots));
     attend(*s, data<T>(q), data<S>(*w.k_out), data<S>(*w.v_out), scales, lyr, page_table.typed_data(),
-           seq_lens.typed_data(), query_start.typed_data(), *num_seqs.typed_data(), sm_scale, data<T>(out), pool,
-           rope);
+           causal_visible(*s, seq_lens.typed_data(), query_start.typed_data(), n), query_start.typed_data(), n,
+           sm_scale, data<T>(out), static_cast<float*>(nullptr), pool, rope);
   });
 }
 
@@ -783,5 +883,41 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RopeWriteAttendQuantized, RopeWriteAttendQuantized
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionPartial, PagedAttentionPartialImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Arg<ffi::BufferR2<ffi::S32>>()
+                                  .Arg<ffi::BufferR1<ffi::S32>>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Arg<ffi::BufferR1<ffi::S32>>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Attr<int64_t>("page_stride")
+                                  .Attr<float>("sm_scale")
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionPartialQuantized, PagedAttentionPartialQuantizedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Arg<ffi::BufferR2<ffi::S32>>()
+                                  .Arg<ffi::BufferR1<ffi::S32>>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Arg<ffi::BufferR1<ffi::S32>>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Attr<int64_t>("page_stride")
+                                  .Attr<float>("sm_scale")
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());

@@ -7,19 +7,24 @@ work of attending over it, are spread evenly. Attention then runs one of two way
 
 - Prefill (ring attention, `meta.ring`): the ranks' fresh K/V blocks travel the ring with sp - 1
   collective-permutes per layer, the next one issued before the current block is attended to; each rank
-  writes the keys of every passing block that belong on its pages. With the chunk pairing, the block from
+  writes the keys of every passing block that belong on its pages, and merges each block's partial into one
+  running result (online softmax: one partial in memory, not sp). With the chunk pairing, the block from
   a rank holding earlier chunks is attended to by all queries against its first half, one holding later
   chunks by the second half of the queries against all of it, so every step after the first costs half a
-  block (TransformerEngine's DualChunkSwap). Keys cached before this step (a prefix-cache hit, earlier
-  chunks of the prompt, decoding sequences in the batch) are read where they live: the queries are
-  all-gathered, each rank attends over its own pages, and one all-to-all brings each rank the partials
-  of its tokens.
+  block (TransformerEngine's DualChunkSwap). A block's attention walks its keys KEY_TILE at a time, so its
+  scores take O(chunk x KEY_TILE) memory, never O(chunk x context). Keys cached before this step (a
+  prefix-cache hit, earlier chunks of the prompt, decoding sequences in the batch) are read where they
+  live: the queries are all-gathered, each rank attends over its own pages, and one all-to-all brings each
+  rank the partials of its tokens; a step with none (`meta.cached` false: every sequence starts at 0)
+  skips both collectives.
 - Decode: one all-gather brings every rank all the tokens' q, k and v; each rank writes the keys that
   belong on its pages and attends every token over its own pages; one all-to-all returns each rank the
   partial outputs and log-sum-exps of its tokens. Two collectives per layer whose bytes depend on the
   tokens in the step, never on the context length (vLLM's decode context parallel).
 
-Partials over disjoint keys are merged exactly by their log-sum-exp, in float32.
+Partials over disjoint keys are merged exactly by their log-sum-exp, in float32. A rank's own pages are
+read by the backend's paged kernel with the log-sum-exp out (page stride sp, offset rank): the C++ kernel
+on CPU ("cpu"), the Pallas kernel on GPU ("pallas"), or the jnp reference ("xla").
 
 Quantized pages (int8, fp8): a rank quantizes its fresh K/V once (pallas_kernels/kv_quant.py) and the
 blocks travel the ring quantized, with their scales (half the bytes of each permute); each rank writes
@@ -30,20 +35,42 @@ through write_pages, which quantizes.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxinfer.device.attention import cpu
 from jaxinfer.device.attention.paged import KV, META_AXES, Q, one_replica
 from jaxinfer.device.kv_cache import POOL_AXES, PagedKVCache, scale_args
 from jaxinfer.pallas_kernels.kv_quant import dequantize, quantize
-from jaxinfer.pallas_kernels.ragged_paged_attention import merge_partials, paged_attention_partial
+from jaxinfer.pallas_kernels.ragged_paged_attention import (
+    merge_partials,
+    paged_attention_partial,
+    ragged_paged_attention_partial,
+)
 from jaxinfer.pallas_kernels.rope_cache import rope, scatter_rows, write_pages
 from jaxinfer.sharding import Layout
 from jaxinfer.step import StepMetadata, ring_order
 
 ALL_TOKENS = ("batch", None)  # per-token metadata of the whole row, on every rank
+KEY_TILE = 512                # keys of a ring block per online-softmax update
+
+
+def partial_kernel(backend: str, layout: Layout):
+    """The backend's paged attention with the log-sum-exp out (paged_attention_partial's contract)."""
+    if backend == "cpu":
+        return cpu.paged_attention_partial
+    if backend == "pallas":
+        return functools.partial(ragged_paged_attention_partial, interpret=layout.platform == "cpu")
+    return paged_attention_partial
+
+
+def _merge(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Two partials (out, lse) over disjoint keys into one: the online softmax's update."""
+    return merge_partials(jnp.stack([a[0], b[0]]), jnp.stack([a[1], b[1]]))
 
 
 def _dense_partial(q, q_pos, q_seq, kv, k_pos, k_seq, scale: float) -> tuple[jax.Array, jax.Array]:
@@ -61,10 +88,30 @@ def _dense_partial(q, q_pos, q_seq, kv, k_pos, k_seq, scale: float) -> tuple[jax
     return out.reshape(n, h, d), lse.reshape(n, h)
 
 
+def _block_partial(q, q_pos, q_seq, kv, k_pos, k_seq, scale: float) -> tuple[jax.Array, jax.Array]:
+    """_dense_partial's result, its keys taken KEY_TILE at a time with a running merge: scores of
+    [n, H, KEY_TILE] at most, whatever the block's length."""
+    m = kv.shape[0]
+    if m <= KEY_TILE:
+        return _dense_partial(q, q_pos, q_seq, kv, k_pos, k_seq, scale)
+    pad, tiles = -m % KEY_TILE, -(-m // KEY_TILE)
+    kv = jnp.pad(kv, ((0, pad),) + ((0, 0),) * (kv.ndim - 1))
+    k_pos, k_seq = jnp.pad(k_pos, (0, pad)), jnp.pad(k_seq, (0, pad), constant_values=-1)   # seen by no query
+
+    def tile(state, x):
+        return _merge(state, _dense_partial(q, q_pos, q_seq, *x, scale)), None
+
+    n, h, d = q.shape
+    start = (jnp.zeros((n, h, d), jnp.float32), jnp.full((n, h), -jnp.inf, jnp.float32))
+    tiled = (kv.reshape(tiles, KEY_TILE, *kv.shape[1:]), k_pos.reshape(tiles, KEY_TILE), k_seq.reshape(tiles, KEY_TILE))
+    return lax.scan(tile, start, tiled)[0]
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, layer: jax.Array,
-              inv_freq: jax.Array, meta: StepMetadata, layout: Layout) -> tuple[jax.Array, PagedKVCache]:
-    """RoPE, the K/V write and causal attention with tokens and pages split over sp.
-    q [R, N, H, D], k and v [R, N, KV, D] (N in ring order) -> (out [R, N, H, D], cache)."""
+              inv_freq: jax.Array, meta: StepMetadata, layout: Layout, backend: str) -> tuple[jax.Array, PagedKVCache]:
+    """RoPE, the K/V write and causal attention with tokens and pages split over sp, each rank's pages read by
+    `backend`'s paged kernel. q [R, N, H, D], k and v [R, N, KV, D] (N in ring order) -> (out [R, N, H, D], cache)."""
+    kernel = partial_kernel(backend, layout)
     (axis,) = layout.mesh_axes("seq")
     W = layout.axis_size("seq")
     scale = 1.0 / float(q.shape[-1]) ** 0.5
@@ -93,9 +140,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, lay
             sequence's tokens contiguous: the row goes back to its natural order and returns to ring order."""
             order = ring_order(n * W, W)
             natural = np.argsort(order)
-            out, lse = paged_attention_partial(q_all[natural], m.query_start, m.num_seqs, kv_limit[natural],
-                                               *pools[:2], layer, tables, sm_scale=scale, page_stride=W,
-                                               page_offset=rank, **scale_args(pools))
+            out, lse = kernel(q_all[natural], m.query_start, m.num_seqs, kv_limit[natural], *pools[:2], layer, tables,
+                              sm_scale=scale, page_stride=W, page_offset=rank, **scale_args(pools))
             out, lse = out[order], lse[order]
             both = lax.all_to_all(jnp.concatenate([out, lse[..., None]], -1), axis, 0, 0, tiled=True)
             both = both.reshape(W, n, *both.shape[1:])
@@ -104,7 +150,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, lay
         pos, tseq = block(m.positions, rank), block(m.token_seq, rank)
         q, k = rope(q, pos, inv_freq), rope(k, pos, inv_freq)
         if meta.ring:
-            parts, fresh = [], _ring_block(k, v, pools)   # one permute per step (two with scales)
+            fresh = _ring_block(k, v, pools)   # one permute per step (two with scales)
             for i in range(W):
                 following = lax.ppermute(fresh, axis, ring) if i < W - 1 else None   # issued before the compute
                 src = (rank - i) % W
@@ -112,15 +158,16 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, lay
                 kv = _block_values(fresh, q.dtype)
                 k_pos, k_seq = block(m.positions, src), block(m.token_seq, src)
                 if i == 0:
-                    parts.append(_dense_partial(q, pos, tseq, kv, k_pos, k_seq, scale))
+                    acc = _block_partial(q, pos, tseq, kv, k_pos, k_seq, scale)
                 else:
-                    parts.append(_half_block(q, pos, tseq, kv, k_pos, k_seq, src < rank, scale))
+                    acc = _merge(acc, _half_block(q, pos, tseq, kv, k_pos, k_seq, src < rank, scale))
                 fresh = following
-            q_len = m.query_start[1:] - m.query_start[:-1]
-            before = (m.seq_lens - q_len)[jnp.maximum(m.token_seq, 0)]    # each token's sequence before this step
-            outs, lses = over_own_pages(lax.all_gather(q, axis, tiled=True), before)
-            out, _ = merge_partials(jnp.concatenate([jnp.stack([o for o, _ in parts]), outs]),
-                                    jnp.concatenate([jnp.stack([s for _, s in parts]), lses]))
+            if meta.cached:
+                q_len = m.query_start[1:] - m.query_start[:-1]
+                before = (m.seq_lens - q_len)[jnp.maximum(m.token_seq, 0)]   # each token's sequence before this step
+                outs, lses = over_own_pages(lax.all_gather(q, axis, tiled=True), before)
+                acc = merge_partials(jnp.concatenate([acc[0][None], outs]), jnp.concatenate([acc[1][None], lses]))
+            out = acc[0]
         else:
             qkv = lax.all_gather(jnp.concatenate([q, k, v], axis=1), axis, tiled=True)
             h, kvh = q.shape[1], k.shape[1]
@@ -130,7 +177,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, lay
             out, _ = merge_partials(outs, lses)
         return out.astype(q.dtype)[None], tuple(pools)
 
-    axes = META_AXES.replace(positions=ALL_TOKENS, slots=ALL_TOKENS, token_seq=ALL_TOKENS, ring=meta.ring)
+    axes = META_AXES.replace(positions=ALL_TOKENS, slots=ALL_TOKENS, token_seq=ALL_TOKENS, ring=meta.ring,
+                             cached=meta.cached)
     pools = cache.pools()
     pool_axes = (POOL_AXES,) * len(pools)
     out, pools = layout.shard_map(
@@ -170,10 +218,10 @@ def _half_block(q, q_pos, q_seq, kv, k_pos, k_seq, earlier: jax.Array, scale: fl
     h = q.shape[0] // 2
 
     def first_half_of_keys():
-        return _dense_partial(q, q_pos, q_seq, kv[:h], k_pos[:h], k_seq[:h], scale)
+        return _block_partial(q, q_pos, q_seq, kv[:h], k_pos[:h], k_seq[:h], scale)
 
     def second_half_of_queries():
-        out, lse = _dense_partial(q[h:], q_pos[h:], q_seq[h:], kv, k_pos, k_seq, scale)
+        out, lse = _block_partial(q[h:], q_pos[h:], q_seq[h:], kv, k_pos, k_seq, scale)
         return (jnp.concatenate([jnp.zeros_like(out), out]),
                 jnp.concatenate([jnp.full_like(lse, -jnp.inf), lse]))
 
