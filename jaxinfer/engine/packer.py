@@ -117,10 +117,16 @@ def pack(outputs: list[SchedulerOutput], page_size: int, pool_pages: int, width:
     targets = None if targets is None else targets[:, order]
     logits_index = np.argsort(order).astype(np.int32)[logits_index]
     ring = sp > 1 and any(o.prefill for o in outputs)
-    cached = not ring or any(seq.start > 0 for o in outputs for seq in o.sequences)   # False: a ring step with none
-    meta = StepMetadata(positions, slots, page_table, seq_lens, query_start, num_seqs, token_seq, ring, cached)
+    meta = StepMetadata(positions, slots, page_table, seq_lens, query_start, num_seqs, token_seq, ring,
+                        has_cached_context(ring, outputs))
     sampling = sampling.replace(top_logprobs=MAX_LOGPROBS if logprobs else 0)
     return StepBatch(tokens, logits_index, seq_lens.reshape(-1), sampling, meta, feed, targets, prompt_top)
+
+
+def has_cached_context(ring: bool, outputs: list[SchedulerOutput]) -> bool:
+    """StepMetadata.cached: False only for a ring step in which every sequence starts at 0 (no keys to read
+    from the pages)."""
+    return not ring or any(seq.start > 0 for o in outputs for seq in o.sequences)
 
 
 Microbatch = list[SchedulerOutput] | None  # one output per replica; None where nothing was ever scheduled
@@ -173,7 +179,7 @@ class Packer:
         outputs = [mb or empty for mb in stages]
         shape = shape or tuple(map(max, *(self.shape(o) for o in outputs)))
         ring = self.sp > 1 and any(o.prefill for mb in outputs for o in mb)
-        cached = not ring or any(seq.start > 0 for mb in outputs for o in mb for seq in o.sequences)
+        cached = has_cached_context(ring, [o for mb in outputs for o in mb])
         batches = [b.replace(meta=b.meta.replace(ring=ring, cached=cached))
                    for b in (self.pack(o, shape, failures) for o in outputs)]
         meta = jax.tree.map(lambda *m: np.stack(m), *(b.meta for b in batches))

@@ -45,6 +45,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -624,10 +625,11 @@ bool scales_fit(ffi::AnyBuffer& scales, ffi::Span<const int64_t> kd) {
 
 // The attention operands' shape, or why they disagree. k_scales, v_scales: those of quantized pages (int8 or
 // float8_e4m3fn), null for pages of q's dtype.
-ffi::ErrorOr<Shape> attention_shape(ffi::AnyBuffer& q, ffi::AnyBuffer& k_pages, ffi::AnyBuffer& v_pages,
-                                    ffi::BufferR2<ffi::S32>& page_table, ffi::BufferR1<ffi::S32>& seq_lens,
-                                    ffi::BufferR1<ffi::S32>& query_start, ffi::AnyBuffer& out,
-                                    ffi::AnyBuffer* k_scales = nullptr, ffi::AnyBuffer* v_scales = nullptr) {
+// The shape of q, the pools and the table, or why they disagree (`what` names the caller in the message);
+// the checks every entry point shares.
+ffi::ErrorOr<Shape> pool_shape(const char* what, ffi::AnyBuffer& q, ffi::AnyBuffer& k_pages, ffi::AnyBuffer& v_pages,
+                               ffi::BufferR2<ffi::S32>& page_table, ffi::BufferR1<ffi::S32>& query_start,
+                               ffi::AnyBuffer* k_scales, ffi::AnyBuffer* v_scales) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), td = page_table.dimensions();
   if (qd.size() != 3 || kd.size() != 5) return ffi::Error::InvalidArgument("q must be rank 3 and the pages rank 5");
   const Shape s{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], kd[3], td[0], td[1]};
@@ -638,10 +640,22 @@ ffi::ErrorOr<Shape> attention_shape(ffi::AnyBuffer& q, ffi::AnyBuffer& k_pages, 
           : (pool_type == ffi::DataType::S8 || pool_type == ffi::DataType::F8E4M3FN) && scales_fit(*k_scales, kd) &&
                 scales_fit(*v_scales, kd);
   if (!pools_ok || kd[4] != s.d || s.kv_heads <= 0 || s.heads % s.kv_heads != 0 || s.page <= 0 || s.pages <= 0 ||
-      seq_lens.dimensions()[0] != s.slots || query_start.dimensions()[0] != s.slots + 1 ||
+      query_start.dimensions()[0] != s.slots + 1 ||
       !std::equal(kd.begin(), kd.end(), v_pages.dimensions().begin(), v_pages.dimensions().end()) ||
-      v_pages.element_type() != pool_type || out.element_type() != q.element_type())
-    return ffi::Error::InvalidArgument("ragged paged attention: operand shapes or dtypes disagree");
+      v_pages.element_type() != pool_type)
+    return ffi::Error::InvalidArgument(std::string(what) + ": operand shapes or dtypes disagree");
+  return s;
+}
+
+ffi::ErrorOr<Shape> attention_shape(ffi::AnyBuffer& q, ffi::AnyBuffer& k_pages, ffi::AnyBuffer& v_pages,
+                                    ffi::BufferR2<ffi::S32>& page_table, ffi::BufferR1<ffi::S32>& seq_lens,
+                                    ffi::BufferR1<ffi::S32>& query_start, ffi::AnyBuffer& out,
+                                    ffi::AnyBuffer* k_scales = nullptr, ffi::AnyBuffer* v_scales = nullptr) {
+  const char* what = "ragged paged attention";
+  const auto s = pool_shape(what, q, k_pages, v_pages, page_table, query_start, k_scales, v_scales);
+  if (s.has_error()) return s;
+  if (seq_lens.dimensions()[0] != s->slots || out.element_type() != q.element_type())
+    return ffi::Error::InvalidArgument(std::string(what) + ": operand shapes or dtypes disagree");
   return s;
 }
 
@@ -670,24 +684,15 @@ ffi::Error Partial(ffi::ThreadPool& pool, ffi::AnyBuffer& q, ffi::AnyBuffer& k_p
                    ffi::BufferR0<ffi::S32>& num_seqs, ffi::BufferR1<ffi::S32>& kv_limit,
                    ffi::BufferR0<ffi::S32>& page_offset, int64_t page_stride, float sm_scale, ffi::AnyBuffer& out,
                    ffi::AnyBuffer& lse) {
-  // seq_lens is checked against the table's slots: query_start stands in for it, one longer
-  const auto qd = q.dimensions(), kd = k_pages.dimensions(), td = page_table.dimensions();
-  if (qd.size() != 3 || kd.size() != 5) return ffi::Error::InvalidArgument("q must be rank 3 and the pages rank 5");
-  const Shape s{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], kd[3], td[0], td[1]};
-  const auto pool_type = k_pages.element_type();
-  const bool pools_ok =
-      k_scales == nullptr
-          ? pool_type == q.element_type()
-          : (pool_type == ffi::DataType::S8 || pool_type == ffi::DataType::F8E4M3FN) && scales_fit(*k_scales, kd) &&
-                scales_fit(*v_scales, kd);
-  const auto od = out.dimensions(), ld = lse.dimensions();
-  if (!pools_ok || kd[4] != s.d || s.kv_heads <= 0 || s.heads % s.kv_heads != 0 || s.page <= 0 || s.pages <= 0 ||
-      query_start.dimensions()[0] != s.slots + 1 || kv_limit.dimensions()[0] != s.n || page_stride < 1 ||
-      !std::equal(kd.begin(), kd.end(), v_pages.dimensions().begin(), v_pages.dimensions().end()) ||
-      v_pages.element_type() != pool_type || out.element_type() != ffi::DataType::F32 ||
+  const char* what = "paged attention partial";
+  const auto shape = pool_shape(what, q, k_pages, v_pages, page_table, query_start, k_scales, v_scales);
+  if (shape.has_error()) return shape.error();
+  const Shape& s = *shape;
+  const auto qd = q.dimensions(), od = out.dimensions(), ld = lse.dimensions();
+  if (kv_limit.dimensions()[0] != s.n || page_stride < 1 || out.element_type() != ffi::DataType::F32 ||
       lse.element_type() != ffi::DataType::F32 || !std::equal(qd.begin(), qd.end(), od.begin(), od.end()) ||
       ld.size() != 2 || ld[0] != s.n || ld[1] != s.heads)
-    return ffi::Error::InvalidArgument("paged attention partial: operand shapes or dtypes disagree");
+    return ffi::Error::InvalidArgument(std::string(what) + ": operand shapes or dtypes disagree");
   const Scales scales{data<BF16>(k_scales), data<BF16>(v_scales)};
   const int32_t n = std::clamp<int32_t>(*num_seqs.typed_data(), 0, static_cast<int32_t>(s.slots));
   const auto visible = limit_visible(s, kv_limit.typed_data(), query_start.typed_data(), n, page_stride,
