@@ -1,4 +1,5 @@
-"""Mixtral and Qwen3-MoE on expert-parallel layouts (their numerics against the reference: test_fixtures.py)."""
+"""Mixtral and Qwen3-MoE on expert-parallel layouts (their numerics against the reference: test_fixtures_moe.py;
+dense and MoE layers mixed in one model, on pp=2,ep=2: test_pipeline.py)."""
 
 import json
 import shutil
@@ -75,28 +76,3 @@ def test_missing_expert_tensor(tmp_path, hf_tiny):
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=r"lacks tensor 'model\.layers\.1\.block_sparse_moe\.experts\.5"):
         LLM(d, mesh="ep=2", dtype="float32")
-
-
-def test_mixed_dense_and_sparse_layers(tmp_path, hf_tiny):
-    """Qwen3-MoE with mlp_only_layers: layer 1 dense (weights made from expert 0 at full width here would
-    change the model, so build a checkpoint whose layer-1 MLP exists and check the engine runs it)."""
-    from jaxinfer.random_model import write_random_checkpoint
-
-    cfg = json.loads((hf_tiny / "qwen3_moe" / "config.json").read_text())
-    cfg.update(mlp_only_layers=[1], vocab_size=264)
-    path = write_random_checkpoint(tmp_path / "mixed", cfg)
-    llm = LLM(path, mesh="ep=2", dtype="float32")
-    assert llm.config.moe_layers == (0, 2) and llm.config.mlp_layers == (1,)
-    # three stacks (sparse, dense, sparse), each holding one layer: the dense one has no router
-    stacks = llm.weights.layers
-    assert [(s.first, s.size) for s in stacks] == [(0, 1), (1, 1), (2, 1)]
-    assert [hasattr(s.weights.mlp, "router") for s in stacks] == [True, False, True]
-    single = LLM(path, dtype="float32")
-    ids = [1, 20, 30, 40, 50]
-    np.testing.assert_allclose(llm.logits([ids])[0], single.logits([ids])[0], atol=1e-5, rtol=0)
-    assert llm.engine.expert_load.total is None            # scoring does not count; a step does
-    llm.generate([ids], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-    k = cfg["num_experts_per_tok"]
-    load = llm.engine.expert_load.total                    # only the two MoE layers: 5 prompt + 1 decode tokens
-    assert load.shape == (2, cfg["num_local_experts"])
-    assert load.sum(axis=1).tolist() == [(len(ids) + 1) * k] * 2

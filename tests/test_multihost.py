@@ -4,14 +4,13 @@ replica per process, or one pipeline stage per process (the activations cross pr
 import json
 
 import numpy as np
-import pytest
 
 from jaxinfer import SamplingParams
 
 
-@pytest.mark.parametrize("mesh", ["dp=2,tp=2", "pp=2,tp=2"])
-def test_two_processes_equal_one(tmp_path, hf_tiny, two_processes, tiny_llm, mesh):
-    llama = hf_tiny / "llama"
+def test_two_processes_equal_one(tmp_path, hf_tiny, two_processes, tiny_llm):
+    """One pipeline stage per process (dp=2,tp=2 across processes: the batch file below)."""
+    llama, mesh = hf_tiny / "llama", "pp=2,tp=2"
     flags = ["--mesh", mesh, "--model", str(llama), "--prompt", "Distributed inference", "--max-tokens", "6",
              "--dtype", "float32", "--json"]
     result = two_processes(flags, tmp_path)

@@ -47,12 +47,15 @@ QWEN3_MOE = {**SMALL, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "q
 
 
 @pytest.mark.parametrize("config, mesh", [
-    ({**QWEN3_MOE, "num_hidden_layers": 5, "mlp_only_layers": [1]}, "pp=2"),  # stacks MoE 0 | dense 1 | MoE 2-4
+    ({**QWEN3_MOE, "num_hidden_layers": 5, "mlp_only_layers": [1]}, "pp=2,ep=2"),  # MoE 0 | dense 1 | MoE 2-4
     ({**SMALL, "num_hidden_layers": 6}, "pp=4"),                              # 2 + 2 + 1 + 1 layers
 ])
 def test_uneven_stages_and_mixed_stacks_match_one_device(tmp_path, config, mesh):
     path = write_random_checkpoint(tmp_path / "model", config)
     one, pp = LLM(path, dtype="float32"), LLM(path, mesh=mesh, dtype="float32")
+    if config.get("mlp_only_layers"):   # one stack per run of like layers; a dense one has no router
+        assert [(s.first, s.size) for s in one.weights.layers] == [(0, 1), (1, 1), (2, 3)]
+        assert [hasattr(s.weights.mlp, "router") for s in one.weights.layers] == [True, False, True]
     prompts = [[1, 20, 30, 40, 50, 60, 70], [1, 80, 90, 100, 110]]
     for a, b in zip(pp.logits(prompts), one.logits(prompts), strict=True):
         np.testing.assert_allclose(a, b, atol=TOL, rtol=0)

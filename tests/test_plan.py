@@ -19,7 +19,7 @@ from jaxinfer.plan.hardware import device_kind
 from jaxinfer.sharding import validate
 
 # layouts other modules serve too (tiny_llm shares their engines and the run's compilation cache their programs)
-MEASURED = [("llama", "tp=2"), ("llama", "dp=2,tp=2"), ("llama", "pp=2"), ("llama", "sp=2"), ("qwen3_moe", "ep=2,tp=2")]
+MEASURED = [("llama", "dp=2,tp=2"), ("llama", "pp=2"), ("llama", "sp=2"), ("qwen3_moe", "ep=2,tp=2")]
 
 
 @pytest.mark.parametrize("name, mesh", MEASURED)
@@ -68,7 +68,7 @@ def test_what_does_not_fit_is_last_and_targets_exclude(hf_tiny):
     assert tight.why().startswith("no layout meets every target") and tight.best.fits
 
 
-@pytest.mark.parametrize("devices", [1, 2, 4, 8])
+@pytest.mark.parametrize("devices", [1, 4, 8])
 def test_mesh_auto_picks_a_valid_layout_that_serves_the_reference(tiny_llm, hf_tiny, golden, check_reference,
                                                                   devices):
     cfg = config_from_dir(hf_tiny / "llama")

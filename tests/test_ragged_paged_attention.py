@@ -175,7 +175,8 @@ def test_decode_steps_batch_sequences_of_similar_length():
         assert bool(together_pays(needed, len(CASES[name].seqs))) is batched, name
 
 
-@pytest.mark.parametrize("name", ["gqa4_mixed", "gqa3", "gqa8_bf16", "long_mixed", "decode_even"])
+# long_mixed and decode_even: their log-sum-exps in test_partials_over_strided_pages_merge_to_whole
+@pytest.mark.parametrize("name", ["gqa4_mixed", "gqa3", "gqa8_bf16"])
 def test_log_sum_exp(name: str):
     """return_lse: the same output, and each row's log-sum-exp (what merging partial attention needs)."""
     c = CASES[name]

@@ -17,7 +17,7 @@ from jaxinfer.random_model import DEFAULT
 
 @pytest.mark.parametrize("name, mesh", [("llama", "tp=2"), ("qwen3_moe", "ep=2")])
 def test_unrolled_layers_match_the_scan(hf_tiny, golden, name, mesh):
-    """qwen3_moe mixes dense and MoE layers (mlp_only_layers): several stacks when scanned."""
+    """qwen3_moe: MoE layers, their experts stacked per layer either way."""
     prompts = golden(name).prompts[:2]
     runs = {scan: LLM(hf_tiny / name, mesh=mesh, dtype="float32", num_pages=16, scan_layers=scan)
             for scan in (True, False)}
