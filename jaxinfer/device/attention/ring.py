@@ -11,12 +11,12 @@ work of attending over it, are spread evenly. Attention then runs one of two way
   running result (online softmax: one partial in memory, not sp). With the chunk pairing, the block from
   a rank holding earlier chunks is attended to by all queries against its first half, one holding later
   chunks by the second half of the queries against all of it, so every step after the first costs half a
-  block (TransformerEngine's DualChunkSwap). A block's attention walks its keys KEY_TILE at a time, so its
-  scores take O(chunk x KEY_TILE) memory, never O(chunk x context). Keys cached before this step (a
-  prefix-cache hit, earlier chunks of the prompt, decoding sequences in the batch) are read where they
-  live: the queries are all-gathered, each rank attends over its own pages, and one all-to-all brings each
-  rank the partials of its tokens; a step with none (`meta.cached` false: every sequence starts at 0)
-  skips both collectives.
+  block (TransformerEngine's DualChunkSwap). A block's attention walks its queries QUERY_TILE and its keys
+  KEY_TILE at a time, so its scores take O(QUERY_TILE x KEY_TILE) memory, never O(chunk x context). Keys
+  cached before this step (a prefix-cache hit, earlier chunks of the prompt, decoding sequences in the
+  batch) are read where they live: the queries are all-gathered, each rank attends over its own pages, and
+  one all-to-all brings each rank the partials of its tokens; a step with none (`meta.cached` false: every
+  sequence starts at 0) skips both collectives.
 - Decode: one all-gather brings every rank all the tokens' q, k and v; each rank writes the keys that
   belong on its pages and attends every token over its own pages; one all-to-all returns each rank the
   partial outputs and log-sum-exps of its tokens. Two collectives per layer whose bytes depend on the
@@ -57,6 +57,7 @@ from jaxinfer.step import StepMetadata, ring_order
 
 ALL_TOKENS = ("batch", None)  # per-token metadata of the whole row, on every rank
 KEY_TILE = 512                # keys of a ring block per online-softmax update
+QUERY_TILE = 512              # queries attended together, each tile over all the block's key tiles
 
 
 def partial_kernel(backend: str, layout: Layout):
@@ -89,6 +90,24 @@ def _dense_partial(q, q_pos, q_seq, kv, k_pos, k_seq, scale: float) -> tuple[jax
 
 
 def _block_partial(q, q_pos, q_seq, kv, k_pos, k_seq, scale: float) -> tuple[jax.Array, jax.Array]:
+    """_dense_partial's result, its queries taken QUERY_TILE at a time (_key_tiles each): scores of
+    [QUERY_TILE, H, KEY_TILE] at most, whatever the chunk's and the block's lengths."""
+    n = q.shape[0]
+    if n <= QUERY_TILE:
+        return _key_tiles(q, q_pos, q_seq, kv, k_pos, k_seq, scale)
+    pad, tiles = -n % QUERY_TILE, -(-n // QUERY_TILE)
+    q = jnp.pad(q, ((0, pad),) + ((0, 0),) * (q.ndim - 1))
+    q_pos, q_seq = jnp.pad(q_pos, (0, pad)), jnp.pad(q_seq, (0, pad), constant_values=-1)   # see no key
+
+    def tile(x):
+        return _key_tiles(*x, kv, k_pos, k_seq, scale)
+
+    out, lse = lax.map(tile, (q.reshape(tiles, QUERY_TILE, *q.shape[1:]), q_pos.reshape(tiles, QUERY_TILE),
+                              q_seq.reshape(tiles, QUERY_TILE)))
+    return out.reshape(tiles * QUERY_TILE, *out.shape[2:])[:n], lse.reshape(tiles * QUERY_TILE, -1)[:n]
+
+
+def _key_tiles(q, q_pos, q_seq, kv, k_pos, k_seq, scale: float) -> tuple[jax.Array, jax.Array]:
     """_dense_partial's result, its keys taken KEY_TILE at a time with a running merge: scores of
     [n, H, KEY_TILE] at most, whatever the block's length."""
     m = kv.shape[0]
