@@ -182,3 +182,9 @@ def test_bench_sequence_json(capsys, random_checkpoint):
     assert short["collectives"] == long["collectives"] and long["collectives"]["all-to-all"]["count"] == L
     page = 2 * L * KV * 16 * D * 4                               # K and V of 16 tokens, every layer, float32
     assert (short["kv_bytes_per_device"], long["kv_bytes_per_device"]) == (1 * page, 2 * page)  # 2 and 4 pages
+    # --memory-only: the same step compiled, not run (read back from the compilation cache here)
+    assert bench_sequence.main([*argv[:3], "2", *argv[5:], "--memory-only"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    (compiled,) = r["prefill"]
+    assert r["decode"] == [] and "seconds" not in compiled
+    assert (compiled["temp_bytes"], compiled["collectives"]) == (two["temp_bytes"], two["collectives"])

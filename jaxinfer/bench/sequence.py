@@ -3,13 +3,15 @@ against context length.
 
     python -m jaxinfer.bench.sequence                      # random-weight long-context Llama, defaults below
     python -m jaxinfer.bench.sequence --prompt-len 4096 16384 32768 --sp 1 2 4 --json
+    python -m jaxinfer.bench.sequence --prompt-len 32768 --sp 1 2 4 --memory-only   # compiles, runs nothing
 
 - Prefill: one prompt of each --prompt-len computed in one step (the whole prompt is one ring), on the
   first sp devices. Time of that step (compilation excluded, measured on a second prompt of the same
   length), tokens/s, eta = T_1 / (sp x T_sp): the fraction of sp devices' time that does useful work
   (below 0.6 the parallelism is not paying), and the memory per rank: the compiled step's temporaries
   (XLA's buffer assignment: the peak of what the step allocates beyond its inputs and outputs) and, where
-  the platform reports it (GPU), the device's peak bytes in use.
+  the platform reports it (GPU), the device's peak bytes in use. --memory-only compiles each prefill step
+  and reports its temporaries and collectives without running it (prompts too long to time on a host).
 - Decode: one request at each --contexts length, decode ms per token (decode-only steps, compilation
   excluded), at --decode-sp sizes; KV bytes per device: the pages of the sequence on its busiest rank.
 - The collectives of each compiled step: the ring's collective-permutes (prefill), the decode merge's
@@ -43,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-tokens", type=int, default=16, help="tokens generated per decode measurement")
     p.add_argument("--dtype", default=None, choices=DTYPES,
                    help="default float32 on CPU, bfloat16 on accelerators")
+    p.add_argument("--memory-only", action="store_true",
+                   help="compile each prefill step and report its memory and collectives without running it; no decode")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = p.parse_args(argv)
     args.mesh = f"sp={max(args.sp + args.decode_sp)}"
@@ -64,8 +68,7 @@ def _run(llm, prompt: list[int], new_tokens: int):
     return llm.engine.stats - before
 
 
-def _collectives(llm, phase: str) -> dict:
-    report = llm.collective_report().get(phase, {})
+def _collectives(report: dict) -> dict:
     return {k: v for k, v in report.items() if v["count"] and k in ("collective-permute", "all-gather", "all-to-all")}
 
 
@@ -77,15 +80,25 @@ def step_memory(llm, phase: str) -> dict:
     return {"temp_bytes": analysis.temp_size_in_bytes, "peak_bytes_in_use": stats.get("peak_bytes_in_use")}
 
 
-def prefill(path, sp: int, prompt_len: int, dtype: str) -> dict:
+def prefill(path, sp: int, prompt_len: int, dtype: str, memory_only: bool = False) -> dict:
     llm = _llm(path, sp, dtype, prompt_len)
+    if memory_only:   # a fresh prompt's step, as the timed run's second prompt takes it
+        from jaxinfer.collectives import collective_report
+        from jaxinfer.engine.warmup import compile_shape
+
+        exe = compile_shape(llm.engine, (llm.engine.packer.prefill_sizes[-1], 1, sp > 1, False))
+        row = {"sp": sp, "prompt_len": prompt_len, "backend": llm.engine.runner.backend,
+               "collectives": _collectives(collective_report(exe.as_text())),
+               "temp_bytes": exe.memory_analysis().temp_size_in_bytes, "peak_bytes_in_use": None}
+        llm.close()
+        return row
     rng = np.random.default_rng(sp)
     prompt = lambda: rng.integers(4, llm.config.vocab_size, prompt_len).tolist()  # noqa: E731
     _run(llm, prompt(), 1)                                                   # compiles
     s = _run(llm, prompt(), 1)
     row = {"sp": sp, "prompt_len": prompt_len, "seconds": s.prefill_seconds,
            "tokens_per_second": prompt_len / s.prefill_seconds, "backend": llm.engine.runner.backend,
-           "collectives": _collectives(llm, "prefill"), **step_memory(llm, "prefill")}
+           "collectives": _collectives(llm.collective_report()["prefill"]), **step_memory(llm, "prefill")}
     llm.close()
     return row
 
@@ -105,7 +118,8 @@ def decode(path, sp: int, args: argparse.Namespace, dtype: str) -> list[dict]:
         s = _run(llm, prompt(), args.decode_tokens)
         pages = -(-(context + args.decode_tokens) // P)
         rows.append({"sp": sp, "context": context, "ms_per_token": 1e3 * s.decode_seconds / s.decode_tokens,
-                     "kv_bytes_per_device": -(-pages // sp) * per_page, "collectives": _collectives(llm, "decode")})
+                     "kv_bytes_per_device": -(-pages // sp) * per_page,
+                     "collectives": _collectives(llm.collective_report()["decode"])})
     return rows
 
 
@@ -120,13 +134,15 @@ def run(args: argparse.Namespace) -> dict:
     pre = []
     for n in args.prompt_len:
         for sp in args.sp:
-            pre.append(prefill(path, sp, n, dtype))
-            print(f"prefill {n} tokens at sp={sp}: {pre[-1]['seconds']:.2f} s, {pre[-1]['temp_bytes'] / 2**20:.1f} MiB "
-                  "of temporaries per rank", file=sys.stderr, flush=True)   # a long run shows its progress
+            pre.append(prefill(path, sp, n, dtype, args.memory_only))
+            timed = f"{pre[-1]['seconds']:.2f} s, " if "seconds" in pre[-1] else ""
+            print(f"prefill {n} tokens at sp={sp}: {timed}{pre[-1]['temp_bytes'] / 2**20:.1f} MiB of temporaries "
+                  "per rank", file=sys.stderr, flush=True)   # a long run shows its progress
     for r in pre:
         first = next(x for x in pre if x["prompt_len"] == r["prompt_len"])
-        r["eta"] = first["seconds"] / (r["sp"] * r["seconds"])
-    dec = [row for sp in args.decode_sp for row in decode(path, sp, args, dtype)]
+        if "seconds" in r:
+            r["eta"] = first["seconds"] / (r["sp"] * r["seconds"])
+    dec = [] if args.memory_only else [row for sp in args.decode_sp for row in decode(path, sp, args, dtype)]
     base = {r["context"]: r["ms_per_token"] for r in dec if r["sp"] == args.decode_sp[0]}
     for r in dec:
         r["x_sp1"] = r["ms_per_token"] / base[r["context"]]
@@ -144,8 +160,10 @@ def readable(r: dict) -> str:
              f"{'tokens':>6} {'sp':>3} {'seconds':>8} {'tok/s':>9} {'eta':>6} {'temp MiB':>9}  collectives per device"]
     for x in r["prefill"]:
         peak = f" (peak {x['peak_bytes_in_use'] / 2**20:,.0f})" if x.get("peak_bytes_in_use") else ""
-        lines.append(f"{x['prompt_len']:>6} {x['sp']:>3} {x['seconds']:>8.3f} {x['tokens_per_second']:>9.1f} "
-                     f"{x['eta']:>6.2f} {x['temp_bytes'] / 2**20:>9.1f}{peak}  {_fmt(x['collectives'])}")
+        timed = (f"{x['seconds']:>8.3f} {x['tokens_per_second']:>9.1f} {x['eta']:>6.2f}" if "seconds" in x
+                 else f"{'-':>8} {'-':>9} {'-':>6}")
+        lines.append(f"{x['prompt_len']:>6} {x['sp']:>3} {timed} {x['temp_bytes'] / 2**20:>9.1f}{peak}  "
+                     f"{_fmt(x['collectives'])}")
     lines += ["eta = T_1 / (sp x T_sp); below 0.6 the parallelism is not paying",
               "decode of one sequence against its context",
               f"{'sp':>3} {'context':>8} {'ms/token':>9} {'x sp=1':>7} {'KV MiB/device':>13}  collectives per device"]

@@ -23,6 +23,7 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
+import jax
 from tqdm import tqdm
 
 from jaxinfer.engine.core import Engine
@@ -54,19 +55,20 @@ def warmup(engine: Engine, progress: bool = True, stored_only: bool = False) -> 
     if engine.stages > 1:
         log.info("warm-up skipped: pipeline steps (pp > 1) are compiled on first use")
         return 0
-    before, idle = engine.compilations, [SchedulerOutput([])] * len(engine.schedulers)
-
-    def compile_one(shape: Shape) -> None:
-        n, s, ring, cached = shape
-        batch = engine.packer.pack(idle, (n, s))
-        if ring:  # prefill under sp: fresh K/V travel the ring
-            batch = batch.replace(meta=batch.meta.replace(ring=True, cached=cached))
-        engine.runner.compile("step", batch, stored_only)
-
+    before = engine.compilations
     shapes = warmup_shapes(engine)
     with (ThreadPoolExecutor(min(THREADS, os.cpu_count() or 1)) as pool,
           tqdm(total=len(shapes), desc="compiling buckets", unit="bucket", disable=not progress) as bar):
-        for done in as_completed([pool.submit(compile_one, shape) for shape in shapes]):
+        for done in as_completed([pool.submit(compile_shape, engine, shape, stored_only) for shape in shapes]):
             done.result()
             bar.update()
     return engine.compilations - before
+
+
+def compile_shape(engine: Engine, shape: Shape, stored_only: bool = False) -> jax.stages.Compiled | None:
+    """The step executable of one bucket, compiled (or read back) without running it."""
+    n, s, ring, cached = shape
+    batch = engine.packer.pack([SchedulerOutput([])] * len(engine.schedulers), (n, s))
+    if ring:  # prefill under sp: fresh K/V travel the ring
+        batch = batch.replace(meta=batch.meta.replace(ring=True, cached=cached))
+    return engine.runner.compile("step", batch, stored_only)
