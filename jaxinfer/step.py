@@ -7,7 +7,8 @@ prefill chunks alike), one row per replica, padded to bucket shapes. Under seque
 the token axis is split over the ranks in the load-balanced causal order of ring attention
 (jaxinfer.device.attention.ring): the row is cut into 2 x sp chunks and rank r holds chunks r and
 2sp-1-r, so every rank has as much causal work as any other. Per-token arrays follow that order
-(`ring_order`); per-sequence arrays keep the natural order.
+(`ring_order`); per-sequence arrays keep the natural order. A step without the ring (decode only) is
+padded to a multiple of sp, not 2 x sp, and keeps its natural order: no rank's tokens attend to another's.
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ def prompt_logprob_width(top: int) -> int:
 
 
 def ring_order(n: int, sp: int) -> np.ndarray:
-    """Token indices of a row of n laid out for sp ranks: rank r's block is chunks r and 2sp-1-r of 2sp."""
-    if sp == 1:
+    """Token indices of a row of n laid out for sp ranks: rank r's block is chunks r and 2sp-1-r of 2sp. A row
+    that 2 x sp does not divide (a decode-only step's, jaxinfer.engine.packer.token_bucket) keeps its order."""
+    if sp == 1 or n % (2 * sp):
         return np.arange(n)
     chunks = np.arange(n).reshape(2 * sp, n // (2 * sp))
     return np.concatenate([np.concatenate([chunks[r], chunks[2 * sp - 1 - r]]) for r in range(sp)])

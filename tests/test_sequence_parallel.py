@@ -14,7 +14,7 @@ from jaxinfer.collectives import collective_report
 from jaxinfer.device.attention import attention, ring
 from jaxinfer.device.kv_cache import PagedKVCache
 from jaxinfer.engine.core import RequestError
-from jaxinfer.engine.packer import pack, table_width
+from jaxinfer.engine.packer import pack, table_width, token_bucket
 from jaxinfer.engine.page_pool import PagePool, page_hashes
 from jaxinfer.engine.scheduler import ScheduledSequence, SchedulerOutput
 from jaxinfer.engine.warmup import warmup_shapes
@@ -73,6 +73,9 @@ def test_a_cached_page_keeps_its_rank_and_evicts_on_its_own_rank():
 def test_ring_order_gives_rank_r_chunks_r_and_2w_minus_1_minus_r():
     assert ring_order(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]   # MaxText's reorder for cp=2
     assert sorted(ring_order(24, 3).tolist()) == list(range(24)) and ring_order(5, 1).tolist() == list(range(5))
+    # a decode-only step is padded to a token per rank and keeps its order; a ring step pairs 2 x sp chunks
+    assert (token_bucket(1, 4), token_bucket(5, 4), token_bucket(1, 4, ring=True)) == (4, 8, 8)
+    assert ring_order(4, 4).tolist() == [0, 1, 2, 3] and ring_order(3, 3).tolist() == [0, 1, 2]
 
 
 # ---- attention alone: the ring and the sharded decode against one device ------------------------------
@@ -178,8 +181,9 @@ def test_sp4_prefill_permutes_w_minus_1_times_per_layer_and_decode_bytes_do_not_
         layers = L if chunk == 16 else 0
         assert r["prefill"]["all-gather"] == {"count": layers, "bytes": layers * chunk * H * D * 4}
         assert r["prefill"]["all-to-all"] == {"count": layers, "bytes": layers * chunk * H * (D + 1) * 4}
-        # decode: one all-gather of q, k, v and one all-to-all of (out, lse) per layer, for the 2W-token bucket
-        N = 2 * W
+        # decode: one all-gather of q, k, v and one all-to-all of (out, lse) per layer, for the bucket of W
+        # tokens (one sequence: a token per rank, no ring so no 2W chunk pairing)
+        N = W
         decode = r["decode"]
         assert decode["collective-permute"]["count"] == 0
         assert decode["all-gather"] == {"count": L, "bytes": L * N * (H + 2 * KV) * D * 4}

@@ -28,21 +28,25 @@ def bucket(n: int, minimum: int = 1, multiple: int = 1) -> int:
     return -(-size // multiple) * multiple
 
 
-def token_bucket(n: int, sp: int = 1) -> int:
-    """n tokens per replica rounded up to a power of two; under sp to a multiple of the ring's 2 x sp chunks."""
-    return bucket(n, multiple=2 * sp if sp > 1 else 1)
+def token_bucket(n: int, sp: int = 1, ring: bool = False) -> int:
+    """n tokens per replica rounded up to a power of two; under sp to a multiple of sp (a share per rank), and
+    of the ring's 2 x sp chunks for a step with prompt tokens (`ring`)."""
+    return bucket(n, multiple=sp * (2 if ring else 1))
 
 
 def bucket_shape(outputs: list[SchedulerOutput], sp: int = 1) -> tuple[int, int]:
     """(tokens, sequences) per replica, each rounded up to its bucket (tokens: token_bucket)."""
-    return (token_bucket(max(o.num_tokens for o in outputs), sp), bucket(max(len(o.sequences) for o in outputs)))
+    ring = any(o.prefill for o in outputs)
+    return (token_bucket(max(o.num_tokens for o in outputs), sp, ring),
+            bucket(max(len(o.sequences) for o in outputs)))
 
 
 def prefill_sizes(max_tokens: int, sp: int = 1) -> list[int]:
     """Token counts of prompt steps: the budget and its quarters down to 16 (256: 16, 64, 256), so a prompt
     step pads to under 4x its tokens (or to the smallest size) and a server needs a handful of prefill
     programs, not one per power of two and sequence count; each a token_bucket under sp."""
-    sizes = {token_bucket(max_tokens >> 2 * k, sp) for k in range(max_tokens.bit_length()) if max_tokens >> 2 * k >= 16}
+    sizes = {token_bucket(max_tokens >> 2 * k, sp, ring=True) for k in range(max_tokens.bit_length())
+             if max_tokens >> 2 * k >= 16}
     return sorted(sizes)
 
 
@@ -177,8 +181,9 @@ class Packer:
             return self.pack(stages[0], shape, failures)
         empty = [SchedulerOutput([])] * len(stages[0])
         outputs = [mb or empty for mb in stages]
-        shape = shape or tuple(map(max, *(self.shape(o) for o in outputs)))
+        tokens, seqs = shape or tuple(map(max, *(self.shape(o) for o in outputs)))
         ring = self.sp > 1 and any(o.prefill for mb in outputs for o in mb)
+        shape = (token_bucket(tokens, self.sp, ring), seqs)   # decode stages' rows go round the ring too
         cached = has_cached_context(ring, [o for mb in outputs for o in mb])
         batches = [b.replace(meta=b.meta.replace(ring=ring, cached=cached))
                    for b in (self.pack(o, shape, failures) for o in outputs)]

@@ -43,7 +43,7 @@ def powers_of_two(upto: int) -> list[int]:
 def warmup_shapes(engine: Engine) -> list[Shape]:
     """The buckets the warm-up compiles (see the module docstring), rounded as jaxinfer.engine.packer rounds them."""
     packer = engine.packer
-    decode = [(token_bucket(s, packer.sp), s, False, True) for s in powers_of_two(packer.max_seqs)]
+    decode = [(token_bucket(s, packer.sp), s, False, True) for s in powers_of_two(packer.max_seqs)]   # no ring
     prefill = [(n, min(n, packer.max_seqs), packer.sp > 1, cached) for n in packer.prefill_sizes
                for cached in ((False, True) if packer.sp > 1 else (True,))]
     return list(dict.fromkeys([*decode, *prefill]))

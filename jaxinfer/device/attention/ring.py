@@ -133,6 +133,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, lay
     kernel = partial_kernel(backend, layout)
     (axis,) = layout.mesh_axes("seq")
     W = layout.axis_size("seq")
+    if meta.ring and q.shape[1] % (2 * W):
+        raise ValueError(f"a ring step's {q.shape[1]} tokens are not a multiple of 2 x sp = {2 * W} chunks "
+                         "(jaxinfer.engine.packer.token_bucket)")
     scale = 1.0 / float(q.shape[-1]) ** 0.5
     ring = [(r, (r + 1) % W) for r in range(W)]
 
