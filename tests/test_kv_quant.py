@@ -389,13 +389,15 @@ def test_quantized_pages_on_a_mesh_equal_one_device(mesh, kind, tiny_llm, unquan
     """The sp ring (fresh K/V travel quantized, pages dealt round the ranks; jnp backend; its plain pages are
     test_sequence_parallel's) and the scales sharded as the pages over dp, pp and tp: the one-device run's logits within
     float32 rounding, so within the bound of the float32 pages', and its greedy tokens (prefill through the ring,
-    then decode)."""
+    then decode). Under tp a projection's partial sums are added in another order than on one device, so a
+    K or V element can land on the other side of a rounding tie and move one quantization step: the logits
+    then agree to within a small fraction of the bound, not to float32 rounding."""
     g = golden("llama")
     llm, one = tiny_llm("llama", mesh=mesh, kv_cache_dtype=kind), tiny_llm("llama", kv_cache_dtype=kind)
     cache = llm.engine.runner.cache
     assert cache.k.dtype == cache.v.dtype == KINDS[kind] and cache.k_scale.sharding == cache.k.sharding
     ours = llm.logits(g.prompts)
-    assert max_logit_diff(ours, one.logits(g.prompts)) < 1e-5
+    assert max_logit_diff(ours, one.logits(g.prompts)) < (LOGIT_BOUND[kind] / 10 if "tp" in mesh else 1e-5)
     assert max_logit_diff(ours, unquantized.logits(g.prompts)) <= LOGIT_BOUND[kind]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     assert ([o.token_ids for o in llm.generate(g.prompts[:2], params)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import chex
 import jax
 import numpy as np
 
@@ -29,7 +30,8 @@ TARGETS = {"jaxinfer_ragged_paged_attention": "RaggedPagedAttention", "jaxinfer_
            "jaxinfer_ragged_paged_attention_quantized": "RaggedPagedAttentionQuantized",
            "jaxinfer_rope_write_attend_quantized": "RopeWriteAttendQuantized",
            "jaxinfer_paged_attention_partial": "PagedAttentionPartial",
-           "jaxinfer_paged_attention_partial_quantized": "PagedAttentionPartialQuantized"}
+           "jaxinfer_paged_attention_partial_quantized": "PagedAttentionPartialQuantized",
+           "jaxinfer_block_attention_partial": "BlockAttentionPartial"}
 FLAGS = native.FLAGS
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -92,6 +94,22 @@ def paged_attention_partial(q: jax.Array, query_start: jax.Array, num_seqs: jax.
     return call(q, k_pages, v_pages, *scales, *map(_i32, (layer, page_table, query_start, num_seqs, kv_limit,
                                                           page_offset)),
                 page_stride=np.int64(page_stride), sm_scale=np.float32(sm_scale))
+
+
+def block_attention(q: jax.Array, q_pos: jax.Array, q_seq: jax.Array, k: jax.Array, v: jax.Array, k_pos: jax.Array,
+                    k_seq: jax.Array, *, sm_scale: float) -> tuple[jax.Array, jax.Array]:
+    """The contract of `block_attention_reference` (pallas_kernels/block_attention.py) on one CPU device: float32
+    (out [N, H, D], lse [N, H]) of queries over a block of keys of the same step; what a rank of ring attention
+    does with each block passing by."""
+    if reason := _register():
+        raise BuildError(reason)
+    chex.assert_rank([q, k, v], 3)
+    chex.assert_equal_shape([k, v])
+    n, h, d = q.shape
+    call = jax.ffi.ffi_call("jaxinfer_block_attention_partial", (jax.ShapeDtypeStruct((n, h, d), np.float32),
+                                                                 jax.ShapeDtypeStruct((n, h), np.float32)))
+    kt, vt = (x.transpose(1, 0, 2) for x in (k, v))   # [KV, M, D]: a kv head's keys contiguous, as tiles read them
+    return call(q, kt, vt, *map(_i32, (q_pos, q_seq, k_pos, k_seq)), sm_scale=np.float32(sm_scale))
 
 
 def rope_write_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,

@@ -27,6 +27,10 @@
 // kv_limit[t]), with float32 results [N, H, D] and the log-sum-exp [N, H] (-inf where no key is visible),
 // so the ranks' partials merge exactly.
 //
+// BlockAttentionPartial is the contract of pallas_kernels/block_attention.py: queries over a block of keys
+// of the same step that are not in pages yet (what a rank of ring attention does with each block passing
+// by), q [N, H, D], k and v [KV, M, D], positions and sequence ids of both; float32 out and lse as above.
+//
 // Quantized pages (RaggedPagedAttentionQuantized, RopeWriteAttendQuantized): the pools hold int8 or
 // float8_e4m3fn, with bf16 scales [L, KV, P, page, 1] (one per token and kv head) as two more operands
 // (and, for the write, two more results aliased to them). The write quantizes each rotated k and each v
@@ -430,6 +434,25 @@ void accumulate(float* acc, int64_t rows, int64_t d, const float* correction, co
     });
 }
 
+// One row's scores of a tile [kTile] -> its weights (0 in the lanes `visible` masks off), with the online
+// softmax's running max m and sum l, and the correction to apply to what the row gathered before (0 on its
+// first tile with a visible key).
+inline void softmax_update(float* p, i32x16 visible, float& m, float& l, float& correction) {
+  const f32x16 x = visible ? load16(p) : f32x16{} - std::numeric_limits<float>::infinity();
+  const float top = std::max(m, max16(x));
+  const f32x16 e = exp16(x - top), w = visible ? e : f32x16{};
+  store16(p, w);
+  correction = top == m ? 1.f : std::exp(m - top);
+  l = l * correction + sum16(w);
+  m = top;
+}
+
+// A row that sees no key of the tile: no weight, nothing rescaled.
+inline void skip_tile(float* p, float& correction) {
+  store16(p, f32x16{});
+  correction = 1.f;
+}
+
 // Each token's number of visible keys, counted along its sequence's table (entry j's keys are keys j * page
 // to j * page + page - 1): the real tokens' causal counts, their position + 1, as far as the table reaches.
 std::vector<int32_t> causal_visible(const Shape& s, const int32_t* seq_lens, const int32_t* query_start,
@@ -540,20 +563,10 @@ void attend(const Shape& s, const T* q, const S* k_pages, const S* v_pages, cons
       }
       for (int64_t r = 0; r < rows; ++r) {   // scores -> this tile's weights, and the rescale of what came before
         const int64_t seen = std::min(keys, row_visible[r] - start);   // this row's keys in the tile
-        float* p = &sc[r * kTile];
-        if (seen <= 0) {
-          store16(p, f32x16{});
-          correction[r] = 1.f;
-          continue;
-        }
-        const auto visible_lane = kLanes < static_cast<float>(seen);   // a lane mask
-        const f32x16 x = visible_lane ? load16(p) : f32x16{} - std::numeric_limits<float>::infinity();
-        const float top = std::max(m[r], max16(x));
-        const f32x16 e = exp16(x - top), w = visible_lane ? e : f32x16{};
-        store16(p, w);
-        correction[r] = top == m[r] ? 1.f : std::exp(m[r] - top);   // 0 on the row's first tile
-        l[r] = l[r] * correction[r] + sum16(w);
-        m[r] = top;
+        if (seen <= 0)
+          skip_tile(&sc[r * kTile], correction[r]);
+        else
+          softmax_update(&sc[r * kTile], kLanes < static_cast<float>(seen), m[r], l[r], correction[r]);
       }
       accumulate(acc.data(), rows, d, correction.data(), sc.data(), vt, keys);
     }
@@ -570,6 +583,76 @@ void attend(const Shape& s, const T* q, const S* k_pages, const S* v_pages, cons
   // faster on the caller alone).
   const int64_t flops = work * s.heads * d * 4;
   const int64_t count = static_cast<int64_t>(items.size());
+  const int64_t helpers = flops < (1 << 20) ? 0 : std::min<int64_t>(pool.num_threads(), count - 1);
+  parallel_for(pool, count, helpers, run);
+}
+
+// Attention of queries over a block of keys of the same step (BlockAttentionPartial; a ring block under
+// sequence parallel): q [N, H, D], k and v [KV, M, D] (T), query t sees key j where q_seq[t] >= 0,
+// k_seq[j] == q_seq[t] and k_pos[j] <= q_pos[t]. The work is attend's, (block of query tokens, kv head),
+// with a lane mask per token and tile instead of a count of keys, and tiles no token of the block sees
+// skipped. float32 out [N, H, D] and lse [N, H]: 0 and -inf for a row that sees no key.
+template <typename T>
+void block_attend(int64_t n, int64_t heads, int64_t d, int64_t kv_heads, int64_t m, const T* q, const T* k,
+                  const T* v, const int32_t* q_pos, const int32_t* q_seq, const int32_t* k_pos,
+                  const int32_t* k_seq, float scale, float* out, float* lse, ffi::ThreadPool& pool) {
+  const int64_t group = heads / kv_heads;
+  std::fill(out, out + n * heads * d, 0.f);
+  std::fill(lse, lse + n * heads, -std::numeric_limits<float>::infinity());
+  const int64_t tiles = (m + kTile - 1) / kTile;
+  std::vector<int32_t> seq(tiles * kTile, -2), pos(tiles * kTile, 0);   // padded keys: of no sequence
+  std::copy(k_seq, k_seq + m, seq.begin());
+  std::copy(k_pos, k_pos + m, pos.begin());
+  const int64_t block_tokens = std::max<int64_t>(1, kBlockRows / group);
+  const int64_t blocks = (n + block_tokens - 1) / block_tokens;
+
+  auto run = [&](int64_t i) {
+    const int64_t first = i / kv_heads * block_tokens, g = i % kv_heads;
+    const int64_t tokens = std::min(block_tokens, n - first), rows = tokens * group;
+    if (std::all_of(q_seq + first, q_seq + first + tokens, [](int32_t s) { return s < 0; })) return;
+    std::vector<float> qf(rows * d), acc(rows * d, 0.f), kt(kTile * d), vf(kTile * d), sc(rows * kTile);
+    std::vector<float> mx(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.f), correction(rows);
+    std::vector<i32x16> mask(tokens);
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* row = q + ((first + r / group) * heads + g * group + r % group) * d;
+      for (int64_t x = 0; x < d; ++x) qf[r * d + x] = to_float(row[x]) * scale;
+    }
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      const int64_t start = tile * kTile, keys = std::min(kTile, m - start);
+      i32x16 key_seq, key_pos;
+      std::memcpy(&key_seq, seq.data() + start, sizeof key_seq);
+      std::memcpy(&key_pos, pos.data() + start, sizeof key_pos);
+      bool any = false;
+      for (int64_t t = 0; t < tokens; ++t) {
+        const int32_t s = q_seq[first + t];
+        mask[t] = (key_seq == s) & (key_pos <= q_pos[first + t]) & (s >= 0 ? -1 : 0);
+        for (int c = 0; c < kTile && !any; ++c) any = mask[t][c] != 0;
+      }
+      if (!any) continue;
+      const T* kh = k + (g * m + start) * d;
+      tile_scores(qf.data(), rows, d, kh, keys, kt.data(), sc.data());
+      const float* vt = as_floats(v + (g * m + start) * d, keys * d, vf.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        const i32x16 visible = mask[r / group];
+        bool row_any = false;
+        for (int c = 0; c < kTile && !row_any; ++c) row_any = visible[c] != 0;
+        if (row_any)
+          softmax_update(&sc[r * kTile], visible, mx[r], l[r], correction[r]);
+        else
+          skip_tile(&sc[r * kTile], correction[r]);
+      }
+      accumulate(acc.data(), rows, d, correction.data(), sc.data(), vt, keys);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      if (l[r] == 0.f) continue;
+      const int64_t h = (first + r / group) * heads + g * group + r % group;
+      const float inv = 1.f / l[r];
+      for (int64_t x = 0; x < d; ++x) out[h * d + x] = acc[r * d + x] * inv;
+      lse[h] = mx[r] + std::log(l[r]);
+    }
+  };
+  const int64_t flops = n * m * heads * d * 4;
+  const int64_t count = blocks * kv_heads;
   const int64_t helpers = flops < (1 << 20) ? 0 : std::min<int64_t>(pool.num_threads(), count - 1);
   parallel_for(pool, count, helpers, run);
 }
@@ -813,6 +896,28 @@ ffi::Error RopeWriteAttendQuantizedImpl(
                    *out);
 }
 
+// Queries over a block of keys of the same step (block_attention's contract in pallas_kernels): float32 out, lse.
+ffi::Error BlockAttentionPartialImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                     ffi::BufferR1<ffi::S32> q_pos, ffi::BufferR1<ffi::S32> q_seq,
+                                     ffi::BufferR1<ffi::S32> k_pos, ffi::BufferR1<ffi::S32> k_seq, float sm_scale,
+                                     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), od = out->dimensions(), ld = lse->dimensions();
+  if (qd.size() != 3 || kd.size() != 3 || kd[0] <= 0 || qd[1] % kd[0] != 0 || kd[2] != qd[2] ||
+      !std::equal(kd.begin(), kd.end(), v.dimensions().begin(), v.dimensions().end()) ||
+      k.element_type() != q.element_type() || v.element_type() != q.element_type() ||
+      q_pos.dimensions()[0] != qd[0] || q_seq.dimensions()[0] != qd[0] || k_pos.dimensions()[0] != kd[1] ||
+      k_seq.dimensions()[0] != kd[1] || out->element_type() != ffi::DataType::F32 ||
+      lse->element_type() != ffi::DataType::F32 || !std::equal(qd.begin(), qd.end(), od.begin(), od.end()) ||
+      ld.size() != 2 || ld[0] != qd[0] || ld[1] != qd[1])
+    return ffi::Error::InvalidArgument("block attention partial: operand shapes or dtypes disagree");
+  return by_dtype(q.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    block_attend(qd[0], qd[1], qd[2], kd[0], kd[1], data<T>(q), data<T>(k), data<T>(v), q_pos.typed_data(),
+                 q_seq.typed_data(), k_pos.typed_data(), k_seq.typed_data(), sm_scale, data<float>(*out),
+                 data<float>(*lse), pool);
+  });
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedPagedAttention, RaggedPagedAttentionImpl,
@@ -923,6 +1028,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionPartialQuantized, PagedAttentionPart
                                   .Arg<ffi::BufferR1<ffi::S32>>()
                                   .Arg<ffi::BufferR0<ffi::S32>>()
                                   .Attr<int64_t>("page_stride")
+                                  .Attr<float>("sm_scale")
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockAttentionPartial, BlockAttentionPartialImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::BufferR1<ffi::S32>>()
+                                  .Arg<ffi::BufferR1<ffi::S32>>()
+                                  .Arg<ffi::BufferR1<ffi::S32>>()
+                                  .Arg<ffi::BufferR1<ffi::S32>>()
                                   .Attr<float>("sm_scale")
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());

@@ -11,8 +11,10 @@ work of attending over it, are spread evenly. Attention then runs one of two way
   running result (online softmax: one partial in memory, not sp). With the chunk pairing, the block from
   a rank holding earlier chunks is attended to by all queries against its first half, one holding later
   chunks by the second half of the queries against all of it, so every step after the first costs half a
-  block (TransformerEngine's DualChunkSwap). A block's attention walks its queries QUERY_TILE and its keys
-  KEY_TILE at a time, so its scores take O(QUERY_TILE x KEY_TILE) memory, never O(chunk x context). Keys
+  block (TransformerEngine's DualChunkSwap). A block is attended to by the backend's block kernel
+  (pallas_kernels/block_attention.py: flash attention with a per-pair mask of sequence and position; the C++
+  kernel on CPU, the Pallas kernel on GPU, the tiled jnp reference), so its scores take a tile's memory,
+  never O(chunk x context). Keys
   cached before this step (a prefix-cache hit, earlier chunks of the prompt, decoding sequences in the
   batch) are read where they live: the queries are all-gathered, each rank attends over its own pages, and
   one all-to-all brings each rank the partials of its tokens; a step with none (`meta.cached` false: every
@@ -23,8 +25,9 @@ work of attending over it, are spread evenly. Attention then runs one of two way
   tokens in the step, never on the context length (vLLM's decode context parallel).
 
 Partials over disjoint keys are merged exactly by their log-sum-exp, in float32. A rank's own pages are
-read by the backend's paged kernel with the log-sum-exp out (page stride sp, offset rank): the C++ kernel
-on CPU ("cpu"), the Pallas kernel on GPU ("pallas"), or the jnp reference ("xla").
+read by the backend's paged kernel with the log-sum-exp out (page stride sp, offset rank), and the ring's
+blocks by its block kernel: the C++ kernels on CPU ("cpu"), the Pallas kernels on GPU ("pallas"), or the
+jnp references ("xla").
 
 Quantized pages (int8, fp8): a rank quantizes its fresh K/V once (pallas_kernels/kv_quant.py) and the
 blocks travel the ring quantized, with their scales (half the bytes of each permute); each rank writes
@@ -45,6 +48,7 @@ from jax import lax
 from jaxinfer.device.attention import cpu
 from jaxinfer.device.attention.paged import KV, META_AXES, Q, one_replica
 from jaxinfer.device.kv_cache import POOL_AXES, PagedKVCache, scale_args
+from jaxinfer.pallas_kernels.block_attention import block_attention, block_attention_reference
 from jaxinfer.pallas_kernels.kv_quant import dequantize, quantize
 from jaxinfer.pallas_kernels.ragged_paged_attention import (
     merge_partials,
@@ -56,8 +60,6 @@ from jaxinfer.sharding import Layout
 from jaxinfer.step import StepMetadata, ring_order
 
 ALL_TOKENS = ("batch", None)  # per-token metadata of the whole row, on every rank
-KEY_TILE = 512                # keys of a ring block per online-softmax update
-QUERY_TILE = 512              # queries attended together, each tile over all the block's key tiles
 
 
 def partial_kernel(backend: str, layout: Layout):
@@ -69,68 +71,25 @@ def partial_kernel(backend: str, layout: Layout):
     return paged_attention_partial
 
 
+def block_kernel(backend: str, layout: Layout):
+    """The backend's attention over a ring block with the log-sum-exp out (block_attention_reference's contract)."""
+    if backend == "cpu":
+        return cpu.block_attention
+    if backend == "pallas":
+        return functools.partial(block_attention, interpret=layout.platform == "cpu")
+    return block_attention_reference
+
+
 def _merge(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """Two partials (out, lse) over disjoint keys into one: the online softmax's update."""
     return merge_partials(jnp.stack([a[0], b[0]]), jnp.stack([a[1], b[1]]))
-
-
-def _dense_partial(q, q_pos, q_seq, kv, k_pos, k_seq, scale: float) -> tuple[jax.Array, jax.Array]:
-    """Causal attention of queries [n, H, D] over one block of keys kv [m, 2, KV, D] of the same step:
-    float32 (out [n, H, D], lse [n, H]), 0 and -inf where no key of the block is visible."""
-    n, h, d = q.shape
-    k, v = kv[:, 0], kv[:, 1]
-    qg = q.reshape(n, k.shape[1], h // k.shape[1], d)
-    s = jnp.einsum("nkgd,mkd->nkgm", qg, k, preferred_element_type=jnp.float32) * scale
-    visible = (q_seq[:, None] == k_seq[None, :]) & (q_seq[:, None] >= 0) & (k_pos[None, :] <= q_pos[:, None])
-    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
-    lse = jax.nn.logsumexp(s, axis=-1)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0)[..., None])
-    out = jnp.einsum("nkgm,mkd->nkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(n, h, d), lse.reshape(n, h)
-
-
-def _block_partial(q, q_pos, q_seq, kv, k_pos, k_seq, scale: float) -> tuple[jax.Array, jax.Array]:
-    """_dense_partial's result, its queries taken QUERY_TILE at a time (_key_tiles each): scores of
-    [QUERY_TILE, H, KEY_TILE] at most, whatever the chunk's and the block's lengths."""
-    n = q.shape[0]
-    if n <= QUERY_TILE:
-        return _key_tiles(q, q_pos, q_seq, kv, k_pos, k_seq, scale)
-    pad, tiles = -n % QUERY_TILE, -(-n // QUERY_TILE)
-    q = jnp.pad(q, ((0, pad),) + ((0, 0),) * (q.ndim - 1))
-    q_pos, q_seq = jnp.pad(q_pos, (0, pad)), jnp.pad(q_seq, (0, pad), constant_values=-1)   # see no key
-
-    def tile(x):
-        return _key_tiles(*x, kv, k_pos, k_seq, scale)
-
-    out, lse = lax.map(tile, (q.reshape(tiles, QUERY_TILE, *q.shape[1:]), q_pos.reshape(tiles, QUERY_TILE),
-                              q_seq.reshape(tiles, QUERY_TILE)))
-    return out.reshape(tiles * QUERY_TILE, *out.shape[2:])[:n], lse.reshape(tiles * QUERY_TILE, -1)[:n]
-
-
-def _key_tiles(q, q_pos, q_seq, kv, k_pos, k_seq, scale: float) -> tuple[jax.Array, jax.Array]:
-    """_dense_partial's result, its keys taken KEY_TILE at a time with a running merge: scores of
-    [n, H, KEY_TILE] at most, whatever the block's length."""
-    m = kv.shape[0]
-    if m <= KEY_TILE:
-        return _dense_partial(q, q_pos, q_seq, kv, k_pos, k_seq, scale)
-    pad, tiles = -m % KEY_TILE, -(-m // KEY_TILE)
-    kv = jnp.pad(kv, ((0, pad),) + ((0, 0),) * (kv.ndim - 1))
-    k_pos, k_seq = jnp.pad(k_pos, (0, pad)), jnp.pad(k_seq, (0, pad), constant_values=-1)   # seen by no query
-
-    def tile(state, x):
-        return _merge(state, _dense_partial(q, q_pos, q_seq, *x, scale)), None
-
-    n, h, d = q.shape
-    start = (jnp.zeros((n, h, d), jnp.float32), jnp.full((n, h), -jnp.inf, jnp.float32))
-    tiled = (kv.reshape(tiles, KEY_TILE, *kv.shape[1:]), k_pos.reshape(tiles, KEY_TILE), k_seq.reshape(tiles, KEY_TILE))
-    return lax.scan(tile, start, tiled)[0]
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, layer: jax.Array,
               inv_freq: jax.Array, meta: StepMetadata, layout: Layout, backend: str) -> tuple[jax.Array, PagedKVCache]:
     """RoPE, the K/V write and causal attention with tokens and pages split over sp, each rank's pages read by
     `backend`'s paged kernel. q [R, N, H, D], k and v [R, N, KV, D] (N in ring order) -> (out [R, N, H, D], cache)."""
-    kernel = partial_kernel(backend, layout)
+    kernel, block_attend = partial_kernel(backend, layout), block_kernel(backend, layout)
     (axis,) = layout.mesh_axes("seq")
     W = layout.axis_size("seq")
     if meta.ring and q.shape[1] % (2 * W):
@@ -178,11 +137,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, lay
                 src = (rank - i) % W
                 pools = _write_block(pools, layer, fresh, own_slots(block(m.slots, src)))
                 kv = _block_values(fresh, q.dtype)
-                k_pos, k_seq = block(m.positions, src), block(m.token_seq, src)
+                keys = (kv[:, 0], kv[:, 1], block(m.positions, src), block(m.token_seq, src))
                 if i == 0:
-                    acc = _block_partial(q, pos, tseq, kv, k_pos, k_seq, scale)
+                    acc = block_attend(q, pos, tseq, *keys, sm_scale=scale)
                 else:
-                    acc = _merge(acc, _half_block(q, pos, tseq, kv, k_pos, k_seq, src < rank, scale))
+                    acc = _merge(acc, _half_block(block_attend, q, pos, tseq, *keys, src < rank, scale))
                 fresh = following
             if meta.cached:
                 q_len = m.query_start[1:] - m.query_start[:-1]
@@ -233,17 +192,18 @@ def _block_values(block: tuple[jax.Array, ...], dtype) -> jax.Array:
     return block[0] if len(block) == 1 else dequantize(*block, dtype)
 
 
-def _half_block(q, q_pos, q_seq, kv, k_pos, k_seq, earlier: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:
+def _half_block(block_attend, q, q_pos, q_seq, k, v, k_pos, k_seq, earlier: jax.Array,
+                scale: float) -> tuple[jax.Array, jax.Array]:
     """A block from another rank under the chunk pairing: from a rank with earlier chunks (`earlier`) only
     its first chunk is visible, to all queries; from one with later chunks only the second chunk of the
     queries sees it. Half the work of the whole block, the same result."""
     h = q.shape[0] // 2
 
     def first_half_of_keys():
-        return _block_partial(q, q_pos, q_seq, kv[:h], k_pos[:h], k_seq[:h], scale)
+        return block_attend(q, q_pos, q_seq, k[:h], v[:h], k_pos[:h], k_seq[:h], sm_scale=scale)
 
     def second_half_of_queries():
-        out, lse = _block_partial(q[h:], q_pos[h:], q_seq[h:], kv, k_pos, k_seq, scale)
+        out, lse = block_attend(q[h:], q_pos[h:], q_seq[h:], k, v, k_pos, k_seq, sm_scale=scale)
         return (jnp.concatenate([jnp.zeros_like(out), out]),
                 jnp.concatenate([jnp.full_like(lse, -jnp.inf), lse]))
 
