@@ -133,8 +133,9 @@ def _add(acc: Report, other: Report, times: int = 1) -> None:
         acc[k] = {f: acc[k][f] + times * other[k][f] for f in ("count", "bytes")}
 
 
-def collective_report(hlo_text: str) -> Report:
-    """Per kind, collectives executed and result bytes per device for one call (see module docstring)."""
+def collective_report(hlo_text: str, branches: bool = True) -> Report:
+    """Per kind, collectives executed and result bytes per device for one call (see module docstring);
+    branches=False leaves out what conditional branches hold: the collectives every call executes."""
     comps, entry = _parse(hlo_text)
     memo: dict[str, Report] = {}
 
@@ -156,9 +157,9 @@ def collective_report(hlo_text: str) -> Report:
                 acc[base] = {"count": acc[base]["count"] + 1, "bytes": acc[base]["bytes"] + nbytes}
                 continue
             callees = _callees(_STRING.sub("", m.group(2)))
-            branches = [visit(c) for k, c in callees if k in _BRANCH_KEYS]
-            if branches:
-                _add(acc, {k: {f: max(r[k][f] for r in branches) for f in ("count", "bytes")} for k in KINDS})
+            taken = [visit(c) for k, c in callees if k in _BRANCH_KEYS and branches]
+            if taken:
+                _add(acc, {k: {f: max(r[k][f] for r in taken) for f in ("count", "bytes")} for k in KINDS})
             for key, callee in callees:
                 if key in ("calls", "called_computations") or (key == "to_apply" and op == "call"):
                     _add(acc, visit(callee))

@@ -148,6 +148,25 @@ def test_pp4_decode_step_moves_activations_once_and_holds_a_quarter_of_the_layer
     assert llm.engine.runner.cache.k.sharding.shard_shape(llm.engine.runner.cache.k.shape)[0] == 1
 
 
+def test_idle_stages_under_sp_skip_their_layers_in_decode_and_run_them_in_ring_steps(hf_tiny, llama_one):
+    """pp=2,sp=2: a decode step's stage runs its layers inside a conditional (an idle stage skips them; the
+    all-gathers and all-to-alls of sharded-KV decode wait for their stage's group only), while a ring step
+    keeps its collective-permutes outside any branch, where every device joins them; the tokens are one
+    device's."""
+    llm = LLM(hf_tiny / "llama", mesh="pp=2,sp=2", dtype="float32", max_tokens_per_step=32)
+    prompts = mixed_prompts(2, seed=3)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [
+        o.token_ids for o in llama_one.generate(prompts, GREEDY)]
+    layers = llm.config.num_layers // 2                          # a stage's
+    decode = llm.engine.runner.last["decode"].as_text()
+    inside, always = collective_report(decode), collective_report(decode, branches=False)
+    assert inside["all-gather"]["count"] == inside["all-to-all"]["count"] == layers
+    assert always["all-gather"]["count"] == always["all-to-all"]["count"] == 0
+    prefill = collective_report(llm.engine.runner.last["prefill"].as_text(), branches=False)
+    assert prefill["collective-permute"]["count"] == layers + 1  # the ring's (sp - 1 per layer), the stages'
+    llm.close()
+
+
 def test_bad_pipeline_meshes_are_refused_before_anything_loads(tmp_path, hf_tiny):
     d = tmp_path / "cfg-only"
     d.mkdir()

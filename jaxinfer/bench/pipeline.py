@@ -39,6 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: the random-weight "
                    "~125M Llama BENCH_100M, 12 layers)")
     p.add_argument("--pp", type=int, nargs="+", default=[1, 2, 4], help="pipeline sizes to compare")
+    p.add_argument("--sp", type=int, default=1, help="sequence parallel size under every pipeline")
     p.add_argument("--requests", type=int, default=16, help="requests in the burst")
     p.add_argument("--prompt-len", type=int, default=32, help="synthetic prompt tokens per request")
     p.add_argument("--max-tokens", type=int, default=32, help="generated tokens per request")
@@ -48,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     EngineConfig.add_cli_args(p)
     args = p.parse_args(argv)
-    args.mesh = f"pp={max(args.pp)}"  # the devices the largest pipeline needs
+    args.mesh = f"pp={max(args.pp)},sp={args.sp}"  # the devices the largest pipeline needs
     return args
 
 
@@ -70,7 +71,7 @@ def bench_pp(path, pp: int, args: argparse.Namespace, dtype: str) -> dict:
     from jaxinfer.llm import LLM
     from jaxinfer.sharding import device_bytes
 
-    llm = LLM(path, mesh=f"pp={pp}", dtype=dtype, engine_config=EngineConfig.from_cli_args(args))
+    llm = LLM(path, mesh=f"pp={pp},sp={args.sp}", dtype=dtype, engine_config=EngineConfig.from_cli_args(args))
     rng = np.random.default_rng(args.seed)
     prompts = lambda n: rng.integers(0, llm.config.vocab_size, (n, args.prompt_len)).tolist()  # noqa: E731
     generate(llm, prompts(1), args.max_tokens)                          # warm-up: compiles
@@ -113,12 +114,13 @@ def run(args: argparse.Namespace) -> dict:
         r["burst_speedup"] = r["burst_tokens_per_second"] / base["burst_tokens_per_second"]
     return {"model": str(path), "label": f"{config_name} (random weights)" if args.model is None else str(path),
             "dtype": jnp.dtype(dtype).name, "platform": jax.devices()[0].platform, "requests": args.requests,
-            "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "overlap": args.overlap, "results": results}
+            "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "overlap": args.overlap, "sp": args.sp,
+            "results": results}
 
 
 def readable(r: dict) -> str:
-    lines = [f"model     {r['label']}, {r['dtype']} on {r['platform']}; burst of {r['requests']} requests, prompt "
-             f"{r['prompt_len']} tokens, {r['max_tokens']} generated each",
+    lines = [f"model     {r['label']}, {r['dtype']} on {r['platform']}, sp={r['sp']}; burst of {r['requests']} "
+             f"requests, prompt {r['prompt_len']} tokens, {r['max_tokens']} generated each",
              f"{'pp':>3} {'util':>6} {'formula':>7} {'idle':>5} {'burst tok/s':>11} {'x pp=1':>6} {'b1 ms/tok':>9} "
              f"{'x pp=1':>6} "
              f"{'weights MiB/dev':>15} {'KV KiB/page/dev':>15} {'permute B/step':>14}"]

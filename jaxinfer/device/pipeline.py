@@ -143,10 +143,12 @@ class PipelineRunner(ModelRunner):
     # ---- traced ---------------------------------------------------------------------------------
     def _layers(self, layers: tuple[LayerStack, ...], x: jax.Array, cache: PagedKVCache, ctx: StepContext,
                 active: jax.Array):
-        """The stage's layers, or nothing at all where its microbatch is empty. Under sp the layers hold the
-        ring's collective-permutes, which every device of the program must join, so there an idle stage runs
-        them on its input, writes no K/V (every slot masked) and passes its input on unchanged."""
-        if self.sp > 1:
+        """The stage's layers, or nothing at all where its microbatch is empty. A ring step under sp holds the
+        ring's collective-permutes, which every device of the program must join (XLA:CPU's rendezvous waits
+        for all of them; the all-gathers and all-to-alls of a decode step's attention wait for their group
+        only, and a stage's group skips together), so in a ring step an idle stage runs its layers on its
+        input, writes no K/V (every slot masked) and passes its input on unchanged."""
+        if self.sp > 1 and ctx.meta.ring:
             ctx = dataclasses.replace(ctx, meta=ctx.meta.replace(slots=jnp.where(active, ctx.meta.slots, -1)))
             y, cache, counts = run_layers(self.model.layer, layers, x, cache, ctx)
             return jnp.where(active, y, x), cache, None if counts is None else counts * active
@@ -172,12 +174,8 @@ class PipelineRunner(ModelRunner):
         many = isinstance(axes[0], tuple)
         call, each = (fn, axes) if many else ((lambda: (fn(),)), (axes,))
         pin = lambda xs: tuple(ctx.constrain(x, a) for x, a in zip(xs, each, strict=True))  # noqa: E731
-        if ctx.layout.axis_size("seq") > 1:  # no collective inside a branch some devices skip (see _layers)
-            out = pin(tuple(jnp.where(pred, x, 0) for x in call()))
-        else:
-            shapes = jax.eval_shape(call)
-            out = jax.lax.cond(pred, lambda: pin(call()),
-                               lambda: pin(tuple(jnp.zeros(x.shape, x.dtype) for x in shapes)))
+        shapes = jax.eval_shape(call)
+        out = jax.lax.cond(pred, lambda: pin(call()), lambda: pin(tuple(jnp.zeros(x.shape, x.dtype) for x in shapes)))
         return out if many else out[0]
 
     def _stages(self, fn, weights: Weights, *args, in_specs: tuple, out_specs: Any):
