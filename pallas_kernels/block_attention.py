@@ -133,7 +133,8 @@ def _kernel(q_pos_ref, q_seq_ref, k_pos_ref, k_seq_ref, q_ref, k_ref, v_ref, o_r
 
     init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
             jnp.zeros((rows,), jnp.float32), jnp.zeros((rows,), jnp.float32))
-    acc, m, denom, seen = lax.fori_loop(0, k_ref.shape[1] // block_k, body, init)
+    tiles = jnp.where(jnp.max(row_seq) >= 0, k_ref.shape[1] // block_k, 0)   # a block of padding reads no key
+    acc, m, denom, seen = lax.fori_loop(0, tiles, body, init)
     seen = seen > 0
     out = jnp.where(seen[:, None], acc / jnp.where(seen, denom, 1.0)[:, None], 0)
     o_ref[tokens, pl.ds(h * group, group), :] = out.reshape(block_q, group, d)

@@ -25,6 +25,7 @@ on the tiled jnp block attention at sp > 1, which sp = 1 does not need).
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 
 import numpy as np
@@ -40,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "long-context Llama BENCH_LONG, 64k context)")
     p.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4, 8], help="sp sizes for the prefill")
     p.add_argument("--decode-sp", type=int, nargs="+", default=[1, 2, 4], help="sp sizes for decode")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages under every sp (the prompt's time is then "
+                   "its steps through every stage)")
     p.add_argument("--prompt-len", type=int, nargs="+", default=list(PROMPT_LENS), help="prefill prompt tokens")
     p.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS), help="decode context lengths")
     p.add_argument("--decode-tokens", type=int, default=16, help="tokens generated per decode measurement")
@@ -49,14 +52,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compile each prefill step and report its memory and collectives without running it; no decode")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = p.parse_args(argv)
-    args.mesh = f"sp={max(args.sp + args.decode_sp)}"
+    args.mesh = f"pp={args.pp},sp={max(args.sp + args.decode_sp)}"
     return args
 
 
-def _llm(path, sp: int, dtype: str, max_tokens: int):
+def _llm(path, sp: int, dtype: str, max_tokens: int, pp: int = 1):
     from jaxinfer.llm import LLM
 
-    return LLM(path, mesh=f"sp={sp}", dtype=dtype, max_tokens_per_step=max_tokens, max_num_seqs=1,
+    return LLM(path, mesh=f"pp={pp},sp={sp}", dtype=dtype, max_tokens_per_step=max_tokens, max_num_seqs=1,
                prefix_caching=False)
 
 
@@ -80,8 +83,15 @@ def step_memory(llm, phase: str) -> dict:
     return {"temp_bytes": analysis.temp_size_in_bytes, "peak_bytes_in_use": stats.get("peak_bytes_in_use")}
 
 
-def prefill(path, sp: int, prompt_len: int, dtype: str, memory_only: bool = False) -> dict:
-    llm = _llm(path, sp, dtype, prompt_len)
+def _cpu_seconds() -> float:
+    """This process's CPU time: on fake CPU devices that share the cores, the ranks' work summed (wall time
+    cannot show it: the ranks take turns)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def prefill(path, sp: int, prompt_len: int, dtype: str, memory_only: bool = False, pp: int = 1) -> dict:
+    llm = _llm(path, sp, dtype, prompt_len, pp)
     if memory_only:   # a fresh prompt's step, as the timed run's second prompt takes it
         from jaxinfer.collectives import collective_report
         from jaxinfer.engine.warmup import compile_shape
@@ -95,9 +105,12 @@ def prefill(path, sp: int, prompt_len: int, dtype: str, memory_only: bool = Fals
     rng = np.random.default_rng(sp)
     prompt = lambda: rng.integers(4, llm.config.vocab_size, prompt_len).tolist()  # noqa: E731
     _run(llm, prompt(), 1)                                                   # compiles
+    cpu = _cpu_seconds()
     s = _run(llm, prompt(), 1)
+    cpu = _cpu_seconds() - cpu
     row = {"sp": sp, "prompt_len": prompt_len, "seconds": s.prefill_seconds,
-           "tokens_per_second": prompt_len / s.prefill_seconds, "backend": llm.engine.runner.backend,
+           "tokens_per_second": prompt_len / s.prefill_seconds, "cpu_seconds": cpu,
+           "backend": llm.engine.runner.backend,
            "collectives": _collectives(llm.collective_report()["prefill"]), **step_memory(llm, "prefill")}
     llm.close()
     return row
@@ -106,7 +119,7 @@ def prefill(path, sp: int, prompt_len: int, dtype: str, memory_only: bool = Fals
 def decode(path, sp: int, args: argparse.Namespace, dtype: str) -> list[dict]:
     from jaxinfer.device.kv_cache import page_bytes
 
-    llm = _llm(path, sp, dtype, 512)
+    llm = _llm(path, sp, dtype, 512, args.pp)
     engine, rows = llm.engine, []
     P = engine.config.page_size
     per_page = page_bytes(llm.weights.stage_layers, engine.kv_heads // llm.layout.axis_size("kv_heads"), P,
@@ -134,7 +147,7 @@ def run(args: argparse.Namespace) -> dict:
     pre = []
     for n in args.prompt_len:
         for sp in args.sp:
-            pre.append(prefill(path, sp, n, dtype, args.memory_only))
+            pre.append(prefill(path, sp, n, dtype, args.memory_only, args.pp))
             timed = f"{pre[-1]['seconds']:.2f} s, " if "seconds" in pre[-1] else ""
             print(f"prefill {n} tokens at sp={sp}: {timed}{pre[-1]['temp_bytes'] / 2**20:.1f} MiB of temporaries "
                   "per rank", file=sys.stderr, flush=True)   # a long run shows its progress
@@ -147,7 +160,8 @@ def run(args: argparse.Namespace) -> dict:
     for r in dec:
         r["x_sp1"] = r["ms_per_token"] / base[r["context"]]
     return {"model": str(path), "label": "BENCH_LONG (random weights)" if args.model is None else str(path),
-            "dtype": jnp.dtype(dtype).name, "platform": jax.devices()[0].platform, "prefill": pre, "decode": dec}
+            "dtype": jnp.dtype(dtype).name, "platform": jax.devices()[0].platform, "pp": args.pp, "prefill": pre,
+            "decode": dec}
 
 
 def _fmt(collectives: dict) -> str:
@@ -155,16 +169,18 @@ def _fmt(collectives: dict) -> str:
 
 
 def readable(r: dict) -> str:
-    lines = [f"model     {r['label']}, {r['dtype']} on {r['platform']}",
+    lines = [f"model     {r['label']}, {r['dtype']} on {r['platform']}" + (f", pp={r['pp']}" if r["pp"] > 1 else ""),
              "prefill of one prompt in one step; memory per rank: the step's temporaries (GPU: peak in use)",
-             f"{'tokens':>6} {'sp':>3} {'seconds':>8} {'tok/s':>9} {'eta':>6} {'temp MiB':>9}  collectives per device"]
+             f"{'tokens':>6} {'sp':>3} {'seconds':>8} {'cpu s':>7} {'tok/s':>9} {'eta':>6} {'temp MiB':>9}  "
+             "collectives per device"]
     for x in r["prefill"]:
         peak = f" (peak {x['peak_bytes_in_use'] / 2**20:,.0f})" if x.get("peak_bytes_in_use") else ""
-        timed = (f"{x['seconds']:>8.3f} {x['tokens_per_second']:>9.1f} {x['eta']:>6.2f}" if "seconds" in x
-                 else f"{'-':>8} {'-':>9} {'-':>6}")
+        timed = (f"{x['seconds']:>8.3f} {x['cpu_seconds']:>7.2f} {x['tokens_per_second']:>9.1f} {x['eta']:>6.2f}"
+                 if "seconds" in x else f"{'-':>8} {'-':>7} {'-':>9} {'-':>6}")
         lines.append(f"{x['prompt_len']:>6} {x['sp']:>3} {timed} {x['temp_bytes'] / 2**20:>9.1f}{peak}  "
                      f"{_fmt(x['collectives'])}")
-    lines += ["eta = T_1 / (sp x T_sp); below 0.6 the parallelism is not paying",
+    lines += ["eta = T_1 / (sp x T_sp); below 0.6 the parallelism is not paying; cpu s: the process's CPU time for the "
+              "prompt (on CPU devices sharing cores, every rank's work)",
               "decode of one sequence against its context",
               f"{'sp':>3} {'context':>8} {'ms/token':>9} {'x sp=1':>7} {'KV MiB/device':>13}  collectives per device"]
     for x in r["decode"]:

@@ -147,7 +147,8 @@ class PipelineRunner(ModelRunner):
         ring's collective-permutes, which every device of the program must join (XLA:CPU's rendezvous waits
         for all of them; the all-gathers and all-to-alls of a decode step's attention wait for their group
         only, and a stage's group skips together), so in a ring step an idle stage runs its layers on its
-        input, writes no K/V (every slot masked) and passes its input on unchanged."""
+        input, writes no K/V (every slot masked) and passes its input on unchanged. Its microbatch holds no
+        sequence, so its attention kernels find no token to attend and skip (C++ and Pallas); its matmuls run."""
         if self.sp > 1 and ctx.meta.ring:
             ctx = dataclasses.replace(ctx, meta=ctx.meta.replace(slots=jnp.where(active, ctx.meta.slots, -1)))
             y, cache, counts = run_layers(self.model.layer, layers, x, cache, ctx)
