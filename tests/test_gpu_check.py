@@ -42,7 +42,7 @@ def test_every_part_ran_and_passed(dry_run):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert r["finished"] and r["dry_run"] and r["plan"] == "dry-run"
     assert 0 < r["wall_seconds"] < seconds
-    parts = ("kernel_tests", "decode", "serving", "calibration")
+    parts = ("kernel_tests", "decode", "serving", "calibration", "sequence")
     assert {p: r[p]["status"] for p in parts} == dict.fromkeys(parts, "ok")
     assert r["device"]["platform"] == "cpu"
     assert r["environment"]["packages"] == {**dict.fromkeys(BLOCKED, False), "pytest": True}
@@ -102,11 +102,22 @@ def test_calibration_figures(dry_run):
     assert "assumed" not in c and "link_latency" not in got     # one device: no collective to time
 
 
+def test_sequence_figures(dry_run):
+    """The ring's block kernel on one device (Pallas in interpret mode here, and the jnp reference), then prefill
+    and decode at sp = 1 and 4 over the eight fake devices."""
+    q = dry_run[0]["sequence"]
+    assert [b["kernel"] for b in q["block_kernel"]] == ["pallas", "xla"]
+    assert all(b["ms"] > 0 and b["tflops"] > 0 and b["tokens"] == 64 for b in q["block_kernel"])
+    assert [p["sp"] for p in q["prefill"]] == [d["sp"] for d in q["decode"]] == [1, 4]
+    assert all(p["seconds"] > 0 and p["prompt_len"] == 64 for p in q["prefill"])
+    assert all(d["ms_per_token"] > 0 for d in q["decode"]) and "multi_device" not in q
+
+
 def test_markdown_mirrors_the_json(dry_run):
     r, md, _, _ = dry_run
     assert md.startswith("# jaxinfer GPU check (dry run on CPU)")
     for heading in ("## Kernel tests (interpret mode)", "## Decode", "## Serving (bench_serving, in-process streams)",
-                    "## Calibration (the layout planner's figures)", "## Notes"):
+                    "## Calibration (the layout planner's figures)", "## Sequence parallel", "## Notes"):
         assert heading in md
     for x in r["decode"]["results"]:
         assert f"| {x['backend']} | {x['batch']} | {x['decode_tokens_per_second']:,.1f} | " in md

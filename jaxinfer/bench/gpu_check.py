@@ -31,6 +31,10 @@ leaves what it measured, with "finished": false):
    bandwidth, float32 and bfloat16 matmul rates, the engine's host work per step), set against the
    datasheet-based figures the planner assumes for that device kind (jaxinfer.plan.hardware).
 
+5. sequence: the ring's block kernel alone (pallas_kernels/block_attention.py: a rank's chunk pair over a
+   passing block, every key visible; Pallas and the jnp reference), which one GPU can show; then, on two
+   devices or more, one prompt's prefill and 16 decoded tokens at sp = 1 and sp = min(4, devices).
+
 --dry-run: the same parts end to end on CPU at tiny shapes: the embedded default model's shape in float32,
 xla at batch 1 and 2, pallas (interpret mode) and xla with int8 weights at batch 1, a two-test subset of the
 kernel tests, one serving request. Its prompts are one token long, so a prefill step has a decode step's shapes and each
@@ -93,6 +97,8 @@ class Plan:
     budgets: tuple[tuple[str, float], ...]
     serving_minimum: float         # seconds the serving part needs at least to be started
     probe: tuple[int, int, int]    # calibration: float32 words of the bandwidth probe, the matmul's m and k
+    block: tuple[int, int, int, int]  # sequence: the ring block kernel's tokens (queries = keys), heads, kv heads, dim
+    sp_prompt_len: int             # sequence: the prompt prefilled at sp = 1 and sp > 1 (two devices or more)
 
 
 GPU = Plan(
@@ -103,8 +109,9 @@ GPU = Plan(
     num_pages=2048, bandwidth_mib=2048,
     serving=("--num-requests", "32", "--prompt-len-range", "64", "128", "--output-len-range", "32", "64",
              "--max-tokens-per-step", "2048", "--num-pages", "2048"),
-    budgets=(("kernel_tests", 110.0), ("decode", 290.0), ("serving", 75.0), ("calibration", 15.0)),
-    serving_minimum=45.0, probe=(256 << 20, 8192, 8192))
+    budgets=(("kernel_tests", 110.0), ("decode", 275.0), ("serving", 75.0), ("calibration", 15.0),
+             ("sequence", 15.0)),
+    serving_minimum=45.0, probe=(256 << 20, 8192, 8192), block=(4096, 32, 8, 128), sp_prompt_len=4096)
 
 DRY_RUN = Plan(
     name="dry-run", model=DEFAULT, model_label="embedded default shape", dtype="float32", platform="cpu",
@@ -114,8 +121,9 @@ DRY_RUN = Plan(
     bandwidth_mib=8,
     serving=("--num-requests", "1", "--prompt-len-range", "1", "1", "--output-len-range", "4", "4",
              "--num-pages", "64"),
-    budgets=(("kernel_tests", 300.0), ("decode", 300.0), ("serving", 300.0), ("calibration", 300.0)),
-    serving_minimum=0.0, probe=(1 << 16, 64, 256))
+    budgets=(("kernel_tests", 300.0), ("decode", 300.0), ("serving", 300.0), ("calibration", 300.0),
+             ("sequence", 300.0)),
+    serving_minimum=0.0, probe=(1 << 16, 64, 256), block=(64, 4, 2, 16), sp_prompt_len=64)
 
 
 class TimeUp(BaseException):
@@ -150,7 +158,7 @@ class Report:
             "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "wall_seconds": 0.0,
             "environment": environment(), "budgets_s": dict(plan.budgets), "notes": [], "warnings": [],
             "kernel_tests": {"status": "not run"}, "decode": {"status": "not run"}, "serving": {"status": "not run"},
-            "calibration": {"status": "not run"},
+            "calibration": {"status": "not run"}, "sequence": {"status": "not run"},
         }
         self.t0 = time.monotonic()
 
@@ -466,6 +474,91 @@ def calibration(plan: Plan, clock: Clock, report: Report) -> None:
     part["status"] = "ok"
 
 
+# ---- part 5: sequence parallel ---------------------------------------------------------------------------------
+def sequence(plan: Plan, clock: Clock, report: Report) -> None:
+    """The ring's block kernel alone (what each rank does with a passing K/V block; one device suffices), then,
+    on two devices or more, one prompt's prefill and one sequence's decode at sp = 1 and sp = min(4, devices)."""
+    import jax
+
+    part = report.data["sequence"] = {"status": "running", "errors": [], "block_kernel": [], "prefill": [],
+                                      "decode": []}
+    for kernel in ("pallas", "xla"):
+        row = guarded(part, f"block kernel {kernel}", time_block_kernel, plan, kernel)
+        if row is not None:
+            part["block_kernel"].append(row)
+        report.save()
+    count = jax.device_count()
+    if count < 2:
+        part["multi_device"] = f"not run: {count} device; sp needs two or more"
+    for sp in (1, min(4, count)) if count >= 2 else ():
+        if clock.left("sequence") <= 0:
+            part["multi_device"] = f"not run at sp={sp}: time budget"
+            break
+        guarded(part, f"sp={sp}", sp_prefill_and_decode, plan, sp, part)
+        report.save()
+    part["seconds_left"] = clock.left("sequence")
+    done = part["block_kernel"] and (count < 2 or len(part["decode"]) == 2)
+    part["status"] = "ok" if done and not part["errors"] else "partial" if part["block_kernel"] else "failed"
+
+
+def time_block_kernel(plan: Plan, kernel: str) -> dict:
+    """Queries of a rank's chunk pair over a passing block from a rank with earlier chunks (every key visible):
+    ms per call and TFLOP/s (4 x N x M x heads x dim)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.pallas_kernels.block_attention import block_attention, block_attention_reference
+
+    n, heads, kv, d = plan.block
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (n, heads, d), plan.dtype)
+    k, v = (jax.random.normal(x, (n, kv, d), plan.dtype) for x in keys[1:])
+    seq, pos = jnp.zeros(n, jnp.int32), jnp.arange(n, dtype=jnp.int32)
+    fn = (functools.partial(block_attention, interpret=plan.platform == "cpu") if kernel == "pallas"
+          else block_attention_reference)
+    f = jax.jit(functools.partial(fn, sm_scale=d ** -0.5))
+    args = (q, pos + n, seq, k, v, pos, seq)
+    jax.block_until_ready(f(*args))                     # compiles
+    runs, t0 = 3, time.perf_counter()
+    for _ in range(runs):
+        out = f(*args)
+    jax.block_until_ready(out)
+    seconds = (time.perf_counter() - t0) / runs
+    return {"kernel": kernel, "tokens": n, "heads": heads, "kv_heads": kv, "head_dim": d, "ms": 1e3 * seconds,
+            "tflops": 4 * n * n * heads * d / seconds / 1e12}
+
+
+def sp_prefill_and_decode(plan: Plan, sp: int, part: dict) -> None:
+    """One prompt of plan.sp_prompt_len tokens in one step, then 16 tokens decoded after it, at sp."""
+    import numpy as np
+
+    from jaxinfer.llm import LLM
+    from jaxinfer.sampling import SamplingParams
+
+    n = plan.sp_prompt_len
+    llm = LLM.random(plan.model, mesh=f"sp={sp}", dtype=plan.dtype, seed=0, max_tokens_per_step=n, max_num_seqs=1,
+                     prefix_caching=False, compilation_cache=False)
+    try:
+        rng = np.random.default_rng(sp)
+        prompt = lambda: rng.integers(4, llm.config.vocab_size, n).tolist()  # noqa: E731
+        for tokens, phase in ((1, "prefill"), (17, "decode")):
+            params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+            llm.generate([prompt()], params)                                  # compiles
+            before = llm.engine.stats.copy()
+            llm.generate([prompt()], params)
+            s = llm.engine.stats - before
+            if phase == "prefill":
+                part["prefill"].append({"sp": sp, "prompt_len": n, "seconds": s.prefill_seconds,
+                                        "tokens_per_second": n / s.prefill_seconds})
+            else:
+                part["decode"].append({"sp": sp, "context": n,
+                                       "ms_per_token": 1e3 * s.decode_seconds / s.decode_tokens})
+    finally:
+        llm.close()
+
+
 # ---- markdown -------------------------------------------------------------------------------------------------
 def markdown(r: dict) -> str:
     env, dev = r["environment"], r.get("device") or {}
@@ -475,7 +568,7 @@ def markdown(r: dict) -> str:
              f"({dev.get('platform', '?')}). Python {env['python']}, jax {env['jax']}, jaxlib {env['jaxlib']}"
              + "".join(f", {k} {v}" for k, v in env["jax_cuda_plugin"].items()) + ".", ""]
     lines += (kernel_lines(r["kernel_tests"]) + decode_lines(r["decode"]) + serving_lines(r["serving"])
-              + calibration_lines(r["calibration"]))
+              + calibration_lines(r["calibration"]) + sequence_lines(r["sequence"]))
     if r["notes"]:
         lines += ["## Notes", "", *(f"- {n}" for n in r["notes"]), ""]
     if r["warnings"]:
@@ -500,6 +593,23 @@ def calibration_lines(c: dict) -> list[str]:
         ratio = f"{value / want:.2f}" if want else "-"
         lines.append(f"| {name} | {value:.3g} | {f'{want:.3g}' if want else '-'} | {ratio} |")
     return lines + [""]
+
+
+def sequence_lines(q: dict) -> list[str]:
+    lines = ["## Sequence parallel", "", *status_line(q)]
+    if q.get("block_kernel"):
+        lines += ["The ring's block kernel: a chunk pair's queries over a passing block, every key visible.", "",
+                  "| kernel | tokens | heads / kv heads / dim | ms | TFLOP/s |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {b['kernel']} | {b['tokens']} | {b['heads']} / {b['kv_heads']} / {b['head_dim']} | "
+                  f"{b['ms']:.3f} | {b['tflops']:.3g} |" for b in q["block_kernel"]] + [""]
+    if q.get("prefill") or q.get("decode"):
+        lines += ["| sp | prefill s | prefill tok/s | decode ms/token |", "| --- | --- | --- | --- |"]
+        lines += [f"| {p['sp']} | {p['seconds']:.3f} | {p['tokens_per_second']:,.0f} | "
+                  + next((f"{d['ms_per_token']:.2f}" for d in q["decode"] if d["sp"] == p["sp"]), "-") + " |"
+                  for p in q["prefill"]] + [""]
+    if q.get("multi_device"):
+        lines += [f"Prefill and decode across devices: {q['multi_device']}.", ""]
+    return lines + [f"- ERROR {e['what']}: {e['error'][:300]}" for e in q.get("errors", [])] + [""]
 
 
 def gbps(x: float) -> str:
@@ -638,6 +748,7 @@ def run(args: argparse.Namespace) -> int:
                         "need one (use --dry-run on CPU)")
             report.data["decode"] = report.data["serving"] = report.data["calibration"] = {
                 "status": "skipped", "reason": "no GPU"}
+            report.data["sequence"] = {"status": "skipped", "reason": "no GPU"}
         else:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("default")
@@ -653,6 +764,9 @@ def run(args: argparse.Namespace) -> int:
                 report.save()
                 calibration(plan, clock, report)
                 record_warnings(caught, report)
+                report.save()
+                sequence(plan, clock, report)
+                record_warnings(caught, report)
         report.data["finished"] = True
     except TimeUp:
         report.note(f"stopped by SIGTERM after {clock.elapsed():.0f} s: the parts after that point did not run")
@@ -660,7 +774,7 @@ def run(args: argparse.Namespace) -> int:
         return 124
     finally:
         report.save()
-    ok = all(report.data[p]["status"] == "ok" for p in ("kernel_tests", "decode", "serving", "calibration"))
+    ok = all(report.data[p]["status"] == "ok" for p in ("kernel_tests", "decode", "serving", "calibration", "sequence"))
     return 0 if ok else 1
 
 
