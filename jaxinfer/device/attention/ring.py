@@ -62,22 +62,16 @@ from jaxinfer.step import StepMetadata, ring_order
 ALL_TOKENS = ("batch", None)  # per-token metadata of the whole row, on every rank
 
 
-def partial_kernel(backend: str, layout: Layout):
-    """The backend's paged attention with the log-sum-exp out (paged_attention_partial's contract)."""
+def kernels(backend: str, layout: Layout) -> tuple:
+    """The backend's two attention kernels with the log-sum-exp out: over a rank's pages
+    (paged_attention_partial's contract) and over a ring block (block_attention_reference's)."""
     if backend == "cpu":
-        return cpu.paged_attention_partial
+        return cpu.paged_attention_partial, cpu.block_attention
     if backend == "pallas":
-        return functools.partial(ragged_paged_attention_partial, interpret=layout.platform == "cpu")
-    return paged_attention_partial
-
-
-def block_kernel(backend: str, layout: Layout):
-    """The backend's attention over a ring block with the log-sum-exp out (block_attention_reference's contract)."""
-    if backend == "cpu":
-        return cpu.block_attention
-    if backend == "pallas":
-        return functools.partial(block_attention, interpret=layout.platform == "cpu")
-    return block_attention_reference
+        interpret = layout.platform == "cpu"
+        return (functools.partial(ragged_paged_attention_partial, interpret=interpret),
+                functools.partial(block_attention, interpret=interpret))
+    return paged_attention_partial, block_attention_reference
 
 
 def _merge(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -89,7 +83,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedKVCache, lay
               inv_freq: jax.Array, meta: StepMetadata, layout: Layout, backend: str) -> tuple[jax.Array, PagedKVCache]:
     """RoPE, the K/V write and causal attention with tokens and pages split over sp, each rank's pages read by
     `backend`'s paged kernel. q [R, N, H, D], k and v [R, N, KV, D] (N in ring order) -> (out [R, N, H, D], cache)."""
-    kernel, block_attend = partial_kernel(backend, layout), block_kernel(backend, layout)
+    kernel, block_attend = kernels(backend, layout)
     (axis,) = layout.mesh_axes("seq")
     W = layout.axis_size("seq")
     if meta.ring and q.shape[1] % (2 * W):
