@@ -40,8 +40,9 @@ _LOG2E = math.log2(math.e)
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so a fully masked tile gives p = 0, not NaN
 
 
-def _check(q: jax.Array, q_pos: jax.Array, q_seq: jax.Array, k: jax.Array, v: jax.Array, k_pos: jax.Array,
-           k_seq: jax.Array) -> None:
+def check_shapes(q: jax.Array, q_pos: jax.Array, q_seq: jax.Array, k: jax.Array, v: jax.Array, k_pos: jax.Array,
+                 k_seq: jax.Array) -> None:
+    """The contract's shapes, or an error naming what disagrees."""
     chex.assert_rank([q, k, v], 3)
     chex.assert_equal_shape([k, v])
     chex.assert_shape([q_pos, q_seq], q.shape[:1])
@@ -87,7 +88,7 @@ def _key_tiles(q, q_pos, q_seq, k, v, k_pos, k_seq, scale: float) -> tuple[jax.A
 def block_attention_reference(q: jax.Array, q_pos: jax.Array, q_seq: jax.Array, k: jax.Array, v: jax.Array,
                               k_pos: jax.Array, k_seq: jax.Array, *, sm_scale: float) -> tuple[jax.Array, jax.Array]:
     """The contract in jax.numpy, QUERY_TILE queries x KEY_TILE keys at a time: float32 (out [N, H, D], lse [N, H])."""
-    _check(q, q_pos, q_seq, k, v, k_pos, k_seq)
+    check_shapes(q, q_pos, q_seq, k, v, k_pos, k_seq)
     n = q.shape[0]
     if n <= QUERY_TILE:
         return _key_tiles(q, q_pos, q_seq, k, v, k_pos, k_seq, sm_scale)
@@ -153,7 +154,7 @@ def block_attention(q: jax.Array, q_pos: jax.Array, q_seq: jax.Array, k: jax.Arr
 
     block_q: tokens per program (a power of two; None: 64 rows of tokens x heads); block_k: keys per tile (a
     power of two >= 16). The queries and keys are padded to whole blocks here (padding sees nothing)."""
-    _check(q, q_pos, q_seq, k, v, k_pos, k_seq)
+    check_shapes(q, q_pos, q_seq, k, v, k_pos, k_seq)
     n, h, d = q.shape
     m, kv, _ = k.shape
     if not _pow2(d) or d < 16:

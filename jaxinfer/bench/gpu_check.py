@@ -534,8 +534,8 @@ def sp_prefill_and_decode(plan: Plan, sp: int, part: dict) -> None:
     """One prompt of plan.sp_prompt_len tokens in one step, then 16 tokens decoded after it, at sp."""
     import numpy as np
 
+    from jaxinfer.bench.sequence import generate_once
     from jaxinfer.llm import LLM
-    from jaxinfer.sampling import SamplingParams
 
     n = plan.sp_prompt_len
     llm = LLM.random(plan.model, mesh=f"sp={sp}", dtype=plan.dtype, seed=0, max_tokens_per_step=n, max_num_seqs=1,
@@ -544,11 +544,8 @@ def sp_prefill_and_decode(plan: Plan, sp: int, part: dict) -> None:
         rng = np.random.default_rng(sp)
         prompt = lambda: rng.integers(4, llm.config.vocab_size, n).tolist()  # noqa: E731
         for tokens, phase in ((1, "prefill"), (17, "decode")):
-            params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-            llm.generate([prompt()], params)                                  # compiles
-            before = llm.engine.stats.copy()
-            llm.generate([prompt()], params)
-            s = llm.engine.stats - before
+            generate_once(llm, prompt(), tokens)                              # compiles
+            s = generate_once(llm, prompt(), tokens)
             if phase == "prefill":
                 part["prefill"].append({"sp": sp, "prompt_len": n, "seconds": s.prefill_seconds,
                                         "tokens_per_second": n / s.prefill_seconds})

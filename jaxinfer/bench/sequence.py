@@ -18,8 +18,9 @@ against context length.
   all-gather and all-to-all, counts and bytes per device.
 On CPU all fake devices share the host's cores, so sp ranks do not compute in parallel as accelerators
 would: eta here measures the split's overheads (communication, the ring's merge), not its speed-up. The
-attention backend is the same at every sp (the platform's kernel reads the pages; fresh ring blocks run
-on the tiled jnp block attention at sp > 1, which sp = 1 does not need).
+attention backend is the same at every sp (the platform's kernels read the pages and, at sp > 1, the
+ring's fresh blocks); the prefill rows give the process's CPU time too, every rank's work summed. --pp
+puts every layout under a pipeline of that many stages.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def _llm(path, sp: int, dtype: str, max_tokens: int, pp: int = 1):
                prefix_caching=False)
 
 
-def _run(llm, prompt: list[int], new_tokens: int):
+def generate_once(llm, prompt: list[int], new_tokens: int):
+    """The engine's stats of one greedy request of `new_tokens` after `prompt` (prefill and decode seconds)."""
     from jaxinfer.sampling import SamplingParams
 
     before = llm.engine.stats.copy()
@@ -104,9 +106,9 @@ def prefill(path, sp: int, prompt_len: int, dtype: str, memory_only: bool = Fals
         return row
     rng = np.random.default_rng(sp)
     prompt = lambda: rng.integers(4, llm.config.vocab_size, prompt_len).tolist()  # noqa: E731
-    _run(llm, prompt(), 1)                                                   # compiles
+    generate_once(llm, prompt(), 1)                                          # compiles
     cpu = _cpu_seconds()
-    s = _run(llm, prompt(), 1)
+    s = generate_once(llm, prompt(), 1)
     cpu = _cpu_seconds() - cpu
     row = {"sp": sp, "prompt_len": prompt_len, "seconds": s.prefill_seconds,
            "tokens_per_second": prompt_len / s.prefill_seconds, "cpu_seconds": cpu,
@@ -127,8 +129,8 @@ def decode(path, sp: int, args: argparse.Namespace, dtype: str) -> list[dict]:
     rng = np.random.default_rng(sp)
     for context in args.contexts:
         prompt = lambda c=context: rng.integers(4, llm.config.vocab_size, c).tolist()  # noqa: E731
-        _run(llm, prompt(), args.decode_tokens)                              # compiles
-        s = _run(llm, prompt(), args.decode_tokens)
+        generate_once(llm, prompt(), args.decode_tokens)                 # compiles
+        s = generate_once(llm, prompt(), args.decode_tokens)
         pages = -(-(context + args.decode_tokens) // P)
         rows.append({"sp": sp, "context": context, "ms_per_token": 1e3 * s.decode_seconds / s.decode_tokens,
                      "kv_bytes_per_device": -(-pages // sp) * per_page,

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import chex
 import jax
 import numpy as np
 
 from jaxinfer.device import native
+from jaxinfer.pallas_kernels.block_attention import check_shapes
 from jaxinfer.pallas_kernels.kv_quant import is_quantized
 from jaxinfer.pallas_kernels.rope_cache import cos_sin
 
@@ -103,8 +103,7 @@ def block_attention(q: jax.Array, q_pos: jax.Array, q_seq: jax.Array, k: jax.Arr
     does with each block passing by."""
     if reason := _register():
         raise BuildError(reason)
-    chex.assert_rank([q, k, v], 3)
-    chex.assert_equal_shape([k, v])
+    check_shapes(q, q_pos, q_seq, k, v, k_pos, k_seq)
     n, h, d = q.shape
     call = jax.ffi.ffi_call("jaxinfer_block_attention_partial", (jax.ShapeDtypeStruct((n, h, d), np.float32),
                                                                  jax.ShapeDtypeStruct((n, h), np.float32)))

@@ -447,6 +447,13 @@ inline void softmax_update(float* p, i32x16 visible, float& m, float& l, float& 
   m = top;
 }
 
+// Whether any lane of a mask is set.
+inline bool any_lane(i32x16 mask) {
+  for (int c = 0; c < 16; ++c)
+    if (mask[c] != 0) return true;
+  return false;
+}
+
 // A row that sees no key of the tile: no weight, nothing rescaled.
 inline void skip_tile(float* p, float& correction) {
   store16(p, f32x16{});
@@ -612,7 +619,8 @@ void block_attend(int64_t n, int64_t heads, int64_t d, int64_t kv_heads, int64_t
     if (std::all_of(q_seq + first, q_seq + first + tokens, [](int32_t s) { return s < 0; })) return;
     std::vector<float> qf(rows * d), acc(rows * d, 0.f), kt(kTile * d), vf(kTile * d), sc(rows * kTile);
     std::vector<float> mx(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.f), correction(rows);
-    std::vector<i32x16> mask(tokens);
+    std::vector<i32x16> mask(tokens);   // per token: the tile's keys it sees
+    std::vector<char> sees(tokens);      // per token: whether it sees any
     for (int64_t r = 0; r < rows; ++r) {
       const T* row = q + ((first + r / group) * heads + g * group + r % group) * d;
       for (int64_t x = 0; x < d; ++x) qf[r * d + x] = to_float(row[x]) * scale;
@@ -622,22 +630,18 @@ void block_attend(int64_t n, int64_t heads, int64_t d, int64_t kv_heads, int64_t
       i32x16 key_seq, key_pos;
       std::memcpy(&key_seq, seq.data() + start, sizeof key_seq);
       std::memcpy(&key_pos, pos.data() + start, sizeof key_pos);
-      bool any = false;
       for (int64_t t = 0; t < tokens; ++t) {
         const int32_t s = q_seq[first + t];
         mask[t] = (key_seq == s) & (key_pos <= q_pos[first + t]) & (s >= 0 ? -1 : 0);
-        for (int c = 0; c < kTile && !any; ++c) any = mask[t][c] != 0;
+        sees[t] = any_lane(mask[t]);
       }
-      if (!any) continue;
+      if (std::none_of(sees.begin(), sees.end(), [](char x) { return x; })) continue;
       const T* kh = k + (g * m + start) * d;
       tile_scores(qf.data(), rows, d, kh, keys, kt.data(), sc.data());
       const float* vt = as_floats(v + (g * m + start) * d, keys * d, vf.data());
       for (int64_t r = 0; r < rows; ++r) {
-        const i32x16 visible = mask[r / group];
-        bool row_any = false;
-        for (int c = 0; c < kTile && !row_any; ++c) row_any = visible[c] != 0;
-        if (row_any)
-          softmax_update(&sc[r * kTile], visible, mx[r], l[r], correction[r]);
+        if (sees[r / group])
+          softmax_update(&sc[r * kTile], mask[r / group], mx[r], l[r], correction[r]);
         else
           skip_tile(&sc[r * kTile], correction[r]);
       }
