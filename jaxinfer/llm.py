@@ -21,6 +21,7 @@ from jaxinfer.config import EngineConfig, ModelConfig, read_json
 from jaxinfer.converted import Converted, open_checkpoint
 from jaxinfer.device.compilation_cache import enable_compilation_cache
 from jaxinfer.device.layers import UNROLL_LAYER_BYTES, Weights, layer_bytes, one_stack_per_layer
+from jaxinfer.device.matmul import gemm_layouts
 from jaxinfer.device.pipeline import stage_specs
 from jaxinfer.engine.core import Completion, Engine
 from jaxinfer.engine.loop import EngineLoop, RequestStream
@@ -132,9 +133,10 @@ class LLM:
         check(specs)   # a bad checkpoint is refused before the engine exists
         # The engine is built on the weights' shapes while they load, so the step executables already
         # compiled on this machine are read back meanwhile (jaxinfer.device.compilation_cache).
-        shapes = jax.tree.map(lambda s: abstract(s, self.dtype, self.layout.sharding), specs, is_leaf=is_spec)
+        shapes = gemm_layouts(jax.tree.map(lambda s: abstract(s, self.dtype, self.layout.sharding), specs,
+                                           is_leaf=is_spec), self.layout)
         with ThreadPoolExecutor(1) as pool:
-            weights = pool.submit(make_weights, specs)
+            weights = pool.submit(lambda: gemm_layouts(make_weights(specs), self.layout))
             self.engine = Engine(self.model, self.layout, shapes, self.dtype, engine_config, self.tokenizer)
             if self.engine.runner.executables_dir is not None and self.engine.stages == 1:
                 from jaxinfer.engine.warmup import warmup

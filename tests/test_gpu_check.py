@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from jaxinfer.bench.gpu_check import DRY_RUN, Clock, junit_counts, parse_args
+from jaxinfer.bench.quant import MATMULS
 from jaxinfer.random_model import DEFAULT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,6 +82,14 @@ def test_decode_figures(dry_run):
         if "ops" in x:
             assert x["ops"]["steps"] == steps + 1 and 0 < len(x["ops"]["ops"]) <= 8
             assert all(o["ms_per_step"] > 0 and o["runs_per_step"] > 0 for o in x["ops"]["ops"])
+    k, n, rows = DRY_RUN.matmul
+    assert [(m["form"], m["rows"], m["k"], m["n"]) for m in d["matmuls"]] == [(f, r, k, n) for r in rows
+                                                                              for f in MATMULS]
+    assert all(m["us"] > 0 and m["gbps"] > 0 for m in d["matmuls"])
+    # XLA:CPU's dot reads its weight row-major: the weight laid out for the GPU's fp8 GEMM is copied back first
+    assert [m["weight_copies"] for m in d["matmuls"]] == [0, 0, 1, 0, 0] * len(rows)
+    # int8 weights dequantized by XLA:CPU: read where they lie, neither transposed nor copied
+    assert [x["one_byte_copies"] for x in d["results"] if "+" in x["backend"]] == [{"count": 0, "bytes": 0}]
     a = d["agreement"]
     assert (a["status"], a["batch"], a["sequences"], a["backends"]) == ("ok", 1, 1, ["pallas", "xla"])
     assert a["identical"] == 1   # float32 on CPU: the interpreted kernels give the reference's tokens
@@ -119,6 +128,9 @@ def test_markdown_mirrors_the_json(dry_run):
     for heading in ("## Kernel tests (interpret mode)", "## Decode", "## Serving (bench_serving, in-process streams)",
                     "## Calibration (the layout planner's figures)", "## Sequence parallel", "## Notes"):
         assert heading in md
+    assert "- xla+int8 batch 1: 0 transposes or copies of 1-byte arrays in the decode step, 0.0 MiB written" in md
+    for m in r["decode"]["matmuls"]:
+        assert f"| {m['form']} | {m['k']} x {m['n']} | {m['rows']} | {m['us']:.1f} |" in md
     for x in r["decode"]["results"]:
         assert f"| {x['backend']} | {x['batch']} | {x['decode_tokens_per_second']:,.1f} | " in md
         if "ops" in x:

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
+from jaxinfer.bench.quant import one_byte_copies
 from jaxinfer.checkpoint import CheckpointError
 from jaxinfer.quant import QMAX, QuantArray, fp8_matmul, matmul, max_error, quantize
 
@@ -234,6 +235,46 @@ def test_fp8_gemm_cross_lowers_for_hopper():
             text = jax.jit(fp8_matmul).trace(x.astype(jnp.bfloat16), q).lower(lowering_platforms=("cuda",)).as_text()
         dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
         assert dots and all("f8E4M3FN>, tensor<" in d and d.count("f8E4M3FN") >= 2 for d in dots), dots
+
+
+def test_fp8_weights_are_stored_as_the_fp8_gemm_reads_them(hf_tiny, monkeypatch):
+    """Where the devices have fp8 GEMMs, each per-channel fp8 weight's values are stored contraction-minor (what
+    cuBLASLt takes without a transpose per step), sharded as before, and the steps are compiled for the
+    arrays as stored; the logits are those of the same model with its weights stored row-major. Here on CPU
+    devices made to claim fp8 GEMMs, at tp=2 (so each device holds its own shards in that layout)."""
+    from jaxinfer import llm as llm_module
+    from jaxinfer.device import matmul as device_matmul
+
+    monkeypatch.setattr(device_matmul, "has_fp8_gemm", lambda layout: True)
+    prompts = [[1, 5, 9, 33, 2, 7, 11], [3, 4]]
+    kw = dict(mesh="tp=2", dtype="float32", quantization="fp8", attention_backend="xla", num_pages=16,
+              max_tokens_per_step=16)
+    llm = LLM(hf_tiny / "llama", **kw)
+    try:
+        fp8 = quantized_leaves(llm)
+        assert fp8 and all(x.values.dtype == jnp.float8_e4m3fn for x in fp8)
+        for x in fp8:
+            a, c = x.lead, x.contract
+            assert x.values.format.layout.major_to_minor == (*range(a), *range(a + c, x.ndim), *range(a, a + c))
+            assert x.values.sharding.spec == llm.layout.sharding((*[None] * a, *x.axes)).spec
+        logits = llm.logits(prompts)
+        taken = jax.tree.leaves(llm.engine.runner.last["score"].input_formats[0][0])
+        stored = [f for f in jax.tree.leaves(jax.tree.map(lambda x: x.format, llm.weights))]
+        assert [f.layout for f in taken] == [f.layout for f in stored]
+        # XLA:CPU's dot wants its weight row-major, so here (only) the program copies each of a layer's four
+        # matmul weights back first: the copies the GPU check counts in the other direction on a GPU
+        assert one_byte_copies(llm.engine.runner.last["score"].as_text())["count"] == 4
+    finally:
+        llm.close()
+    monkeypatch.setattr(llm_module, "gemm_layouts", lambda weights, layout: weights)
+    row_major = LLM(hf_tiny / "llama", **kw)
+    try:
+        assert all(x.values.format.layout.major_to_minor == tuple(range(x.ndim)) for x in quantized_leaves(row_major))
+        np.testing.assert_allclose(np.concatenate(logits), np.concatenate(row_major.logits(prompts)), atol=1e-5,
+                                   rtol=0)
+        assert one_byte_copies(row_major.engine.runner.last["score"].as_text()) == {"count": 0, "bytes": 0}
+    finally:
+        row_major.close()
 
 
 def test_metrics_and_json_report_the_quantization(tiny_llm, hf_tiny, capsys):

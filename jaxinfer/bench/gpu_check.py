@@ -20,9 +20,13 @@ leaves what it measured, with "finished": false):
    buffer (bench.device_bandwidth). Items run batch by batch, pallas before xla. Then both backends decode
    the same greedy prompts at the largest batch <= 32 both measured (shapes already compiled): how many
    outputs agree token for token (with random weights, near-ties in bfloat16 may flip a token; this is a
-   sign, not a test). Last, the same model with its matmul weights quantized as they load: fp8 at batch 1 and 32
+   sign, not a test). Last, the same model with its matmul weights quantized as they load: fp8 at batch 1
    ("pallas+fp8": on Hopper an fp8 GEMM per matmul; `fp8_gemm` says whether the device has one) and int8 at
-   batch 1 ("pallas+int8": dequantize-then-matmul).
+   batch 1 ("pallas+int8": dequantize-then-matmul). Before the engines, one 4096 x 28672 weight's matmul
+   alone at 1 and 32 rows in each form the engine may run it (jaxinfer.bench.quant.weight_matmuls: bfloat16,
+   the fp8 GEMM on the weight stored row-major and contraction-minor, int8 dequantize-then-matmul and int8
+   matmul-then-scale): time, GB/s, and the weight-sized transposes and copies XLA put in the program; and for
+   each quantized engine, the 1-byte transposes and copies in its decode step.
 3. serving: jaxinfer.bench.serving's in-process workload on the same model shape (attention backend: auto):
    32 requests at t=0, prompts 64-128 and outputs 32-64 tokens, step budget 2048 (six step shapes to compile
    at most, as counted on CPU). The HTTP layer is not measured here (bench_serving --http needs fastapi,
@@ -99,19 +103,21 @@ class Plan:
     probe: tuple[int, int, int]    # calibration: float32 words of the bandwidth probe, the matmul's m and k
     block: tuple[int, int, int, int]  # sequence: the ring block kernel's tokens (queries = keys), heads, kv heads, dim
     sp_prompt_len: int             # sequence: the prompt prefilled at sp = 1 and sp > 1 (two devices or more)
+    matmul: tuple[int, int, tuple[int, ...]]  # decode: one weight's K, N and the activation rows it is timed at
 
 
 GPU = Plan(
     name="gpu", model=LLAMA3_8B, model_label="Llama-3-8B shape", dtype="bfloat16", platform="cuda",
     kernel_tests=KERNEL_TESTS, items=(*((b, k) for b in (1, 32, 128) for k in ("pallas", "xla")),
-                                      (1, "pallas+fp8"), (1, "pallas+int8"), (32, "pallas+fp8")),
+                                      (1, "pallas+fp8"), (1, "pallas+int8")),
     prompt_len=128, max_tokens=64,
     num_pages=2048, bandwidth_mib=2048,
     serving=("--num-requests", "32", "--prompt-len-range", "64", "128", "--output-len-range", "32", "64",
              "--max-tokens-per-step", "2048", "--num-pages", "2048"),
     budgets=(("kernel_tests", 110.0), ("decode", 275.0), ("serving", 75.0), ("calibration", 15.0),
              ("sequence", 15.0)),
-    serving_minimum=45.0, probe=(256 << 20, 8192, 8192), block=(4096, 32, 8, 128), sp_prompt_len=4096)
+    serving_minimum=45.0, probe=(256 << 20, 8192, 8192), block=(4096, 32, 8, 128), sp_prompt_len=4096,
+    matmul=(4096, 28672, (1, 32)))
 
 DRY_RUN = Plan(
     name="dry-run", model=DEFAULT, model_label="embedded default shape", dtype="float32", platform="cpu",
@@ -123,7 +129,8 @@ DRY_RUN = Plan(
              "--num-pages", "64"),
     budgets=(("kernel_tests", 300.0), ("decode", 300.0), ("serving", 300.0), ("calibration", 300.0),
              ("sequence", 300.0)),
-    serving_minimum=0.0, probe=(1 << 16, 64, 256), block=(64, 4, 2, 16), sp_prompt_len=64)
+    serving_minimum=0.0, probe=(1 << 16, 64, 256), block=(64, 4, 2, 16), sp_prompt_len=64,
+    matmul=(64, 256, (1,)))
 
 
 class TimeUp(BaseException):
@@ -289,6 +296,7 @@ DECODE_KEYS = ("batch", "decode_tokens_per_second", "decode_ms_per_token", "deco
 def decode(plan: Plan, clock: Clock, report: Report) -> None:
     """Bandwidth, then bench_batch per (batch, backend) while the part's time lasts, then the agreement."""
     from jaxinfer.bench.decode import bench_batch, device_bandwidth
+    from jaxinfer.bench.quant import one_byte_copies, weight_matmuls
     from jaxinfer.config import EngineConfig
     from jaxinfer.models import config_from_dict
 
@@ -299,6 +307,10 @@ def decode(plan: Plan, clock: Clock, report: Report) -> None:
     bandwidth = device_bandwidth(mib=plan.bandwidth_mib)
     kind = next((k for k in SPEC_GBPS if k in bandwidth["device_kind"]), None)
     part["bandwidth"] = {**bandwidth, "spec_gbps": SPEC_GBPS.get(kind)}
+    report.save()
+    k, n, rows = plan.matmul
+    part["matmuls"] = [x for m in rows for x in guarded(part, f"weight matmuls, {m} rows", weight_matmuls, k, n, m,
+                                                        plan.dtype) or ()]
     report.save()
     largest = max(b for b, _ in plan.items)
     config = EngineConfig(num_pages=plan.num_pages, max_num_seqs=largest, max_tokens_per_step=largest * plan.prompt_len,
@@ -327,6 +339,8 @@ def decode(plan: Plan, clock: Clock, report: Report) -> None:
             if row is not None:
                 part["results"].append({"backend": backend, **{k: row[k] for k in DECODE_KEYS},
                                         "wall_seconds": cost[backend]})
+                if "+" in backend:   # quantized weights: what XLA transposes or copies of them each step
+                    part["results"][-1]["one_byte_copies"] = one_byte_copies(llm.engine.runner.last["decode"].as_text())
                 if batch == min(b for b, k in plan.items if k == backend) and clock.left("decode") > cost[backend]:
                     traces = report.outdir / "traces" / f"{backend}-b{batch}"
                     part["results"][-1]["ops"] = guarded(part, f"{backend} batch {batch}: profile", profile_decode,
@@ -644,6 +658,11 @@ def decode_lines(d: dict) -> list[str]:
         lines += [f"Bandwidth ({bw['device_kind']}, {bw['buffer_mib']} MiB buffer): copy {gbps(bw['copy_gbps'])} GB/s "
                   f"(read + write), sum {gbps(bw['read_gbps'])} GB/s (read); MBU divides by {gbps(bw['gbps'])} GB/s"
                   f"{spec}.", ""]
+    if d.get("matmuls"):
+        lines += ["One weight's matmul alone, in each form:", "",
+                  "| form | K x N | rows | us | weight GB/s | weight-sized transposes / copies |", "| --- " * 6 + "|"]
+        lines += [f"| {m['form']} | {m['k']} x {m['n']} | {m['rows']} | {m['us']:.1f} | {gbps(m['gbps'])} | "
+                  f"{m['weight_copies']} |" for m in d["matmuls"]] + [""]
     if d["results"]:
         lines += ["| backend | batch | decode tok/s | ms/step | MBU | GB/s read | W + K GB/step | prefill tok/s | "
                   "compile s | host ms/step | device idle |", "| --- " * 11 + "|"]
@@ -662,6 +681,9 @@ def decode_lines(d: dict) -> list[str]:
             lines += [f"| {o['ms_per_step']:.3f} | {o['runs_per_step']:.1f} | {o['share']:.1%} | {o['name']} "
                       f"({o['module']}) | `{o['source']}` |" for o in p["ops"]]
             lines.append("")
+    lines += [f"- {x['backend']} batch {x['batch']}: {x['one_byte_copies']['count']} transposes or copies of 1-byte "
+              f"arrays in the decode step, {x['one_byte_copies']['bytes'] / 2**20:.1f} MiB written"
+              for x in d["results"] if "one_byte_copies" in x]
     lines += [f"- skipped {s['backend']} batch {s['batch']}: {s['reason']}" for s in d["skipped"]]
     lines += [f"- ERROR {e['what']}: {e['error'][:300]}" for e in d["errors"]]
     a = d.get("agreement")

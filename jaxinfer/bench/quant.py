@@ -7,12 +7,17 @@ its MBU (jaxinfer.bench.decode: the bytes a step actually reads, 1-byte weights 
 accuracy cost against the float32 model on the same prompts, teacher-forced: per-token KL divergence (mean
 and max; MaxText's logit checker gates on a max of 0.02), the largest logit error, and greedy agreement
 (the share of positions whose argmax is the float32 model's). Ratios are within one run of one process.
+
+`weight_matmuls` times one weight's matmul in each form alone (the GPU check runs it).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import math
+import re
+import time
 
 import numpy as np
 
@@ -79,6 +84,60 @@ def run(args: argparse.Namespace) -> dict:
     return {"model": str(path), "random_weights": random_weights, "mesh": args.mesh or "one device",
             "memory_bandwidth_gbps": bandwidth, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
             "rows": rows}
+
+
+MATMULS = ("plain", "fp8 gemm, row-major", "fp8 gemm, contraction-minor", "int8, dequantize then matmul",
+           "int8, matmul then scale")
+WEIGHT_COPY = re.compile(r"= (?:f8e4m3fn|s8|bf16|f16|f32)\[(\d+),(\d+)\]\{[^}]*\} (?:transpose|copy)\(")
+ONE_BYTE_COPY = re.compile(r"= (?:f8e4m3fn|s8)\[([\d,]*)\]\{[^}]*\} (?:transpose|copy)\(")
+
+
+def one_byte_copies(hlo: str) -> dict:
+    """The transposes and copies of 1-byte arrays (quantized weights, or fp8 activations) in a compiled
+    program's text, and the bytes they write: what a step moves besides reading its weights once."""
+    sizes = [math.prod(int(d) for d in dims.split(",") if d) for dims in ONE_BYTE_COPY.findall(hlo)]
+    return {"count": len(sizes), "bytes": sum(sizes)}
+
+
+def weight_matmuls(k: int, n: int, rows: int, dtype: str, reps: int = 50) -> list[dict]:
+    """One [K, N] weight's matmul on `rows` activation rows, on the default device, in each form the engine may
+    run it (MATMULS: the plain weight in `dtype`; jaxinfer.quant.fp8_matmul on the fp8 weight stored row-major
+    and stored as jaxinfer.device.matmul.gemm_layouts stores it; jaxinfer.quant.matmul on the int8 weight; and
+    the int8 values converted to `dtype` in the matmul, the per-channel scale applied to its output, which a
+    GPU compiler may fuse into one GEMM reading one byte per weight):
+    us per matmul, the weight's bytes over that time (GB/s), and how many weight-sized transposes and copies
+    the compiled program holds (what XLA adds around the GEMM). `reps` matmuls run in one call, each on the
+    previous one's output, so neither the host's dispatch nor a hoisted loop-invariant product is measured."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.device.matmul import contraction_minor
+    from jaxinfer.quant import fp8_matmul, matmul, quantize
+
+    kw, kx = jax.random.split(jax.random.key(0))
+    w = jax.random.normal(kw, (k, n), jnp.float32) / k ** 0.5
+    x = jax.random.normal(kx, (rows, k), dtype)
+    fp8, int8 = quantize(w, "fp8", contract=1, out=1), quantize(w, "int8", contract=1, out=1)
+    forms = {MATMULS[0]: (lambda x, w: x @ w, w.astype(dtype)),
+             MATMULS[1]: (fp8_matmul, fp8),
+             MATMULS[2]: (fp8_matmul, fp8.replace(values=jax.device_put(fp8.values, contraction_minor(fp8)))),
+             MATMULS[3]: (matmul, int8),
+             MATMULS[4]: (lambda x, q: (x @ q.values.astype(x.dtype)) * q.scale[0].astype(x.dtype), int8)}
+    out = []
+    for name, (mm, weight) in forms.items():
+        def chain(x, weight, mm=mm):
+            step = lambda i, x: x + 1e-3 * mm(x, weight)[:, :k].astype(x.dtype)   # noqa: E731
+            return jax.lax.fori_loop(0, reps, step, x)
+        f = jax.jit(chain)
+        hlo = f.lower(x, weight).compile().as_text()
+        jax.block_until_ready(f(x, weight))
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x, weight))
+        seconds = (time.perf_counter() - t0) / reps
+        nbytes = sum(a.nbytes for a in jax.tree.leaves(weight))
+        out.append({"form": name, "k": k, "n": n, "rows": rows, "us": 1e6 * seconds, "gbps": nbytes / seconds / 1e9,
+                    "weight_copies": sum(int(a) * int(b) == k * n for a, b in WEIGHT_COPY.findall(hlo))})
+    return out
 
 
 def readable(r: dict) -> str:

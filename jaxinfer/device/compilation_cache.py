@@ -106,14 +106,19 @@ def defined_in_jaxinfer(cls: type) -> bool:
 
 
 def signature(tree: Any) -> str:
-    """A pytree's structure and each leaf's (array or jax.ShapeDtypeStruct) shape, dtype and placement
-    (which slice each device holds: equal shardings written differently, as an executable read back
-    writes its outputs', read the same)."""
+    """A pytree's structure and each leaf's (array or jax.ShapeDtypeStruct) shape, dtype, placement (which
+    slice each device holds: equal shardings written differently, as an executable read back writes its
+    outputs', read the same) and layout in memory where it is not the default (fp8 weights laid out for the
+    GEMM: jaxinfer.device.matmul.gemm_layouts)."""
     def placement(x: Any) -> Any:
         sharding = x.sharding
         return sharding.memory_kind, sorted((d.id, repr(i)) for d, i in sharding.devices_indices_map(x.shape).items())
+
+    def layout(x: Any) -> tuple[int, ...] | None:
+        order = getattr(getattr(x.format, "layout", None), "major_to_minor", None)
+        return None if order is None or tuple(order) == tuple(range(len(x.shape))) else tuple(order)
     leaves, treedef = jax.tree.flatten(tree)
-    return repr((str(treedef), [(x.shape, x.dtype.name, placement(x)) for x in leaves]))
+    return repr((str(treedef), [(x.shape, x.dtype.name, placement(x), layout(x)) for x in leaves]))
 
 
 @functools.cache
