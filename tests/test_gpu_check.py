@@ -75,6 +75,7 @@ def test_decode_figures(dry_run):
         assert x["decode_tokens_per_second"] > 0 and x["prefill_tokens_per_second"] > 0
         assert 0 < x["mbu"] < 3, x                          # a CPU's caches can beat its copy bandwidth a little
         assert x["compile_seconds"] > 0
+        assert x["xla_floor_tokens_per_second"] > 0 and x["of_floor"] > 0
     # each backend's smallest batch is traced once more: its costliest operations per step
     profiled = [(x["backend"], x["batch"]) for x in d["results"] if "ops" in x]
     assert profiled == [("pallas", 1), ("xla", 1), ("xla+int8", 1)]

@@ -17,7 +17,10 @@ leaves what it measured, with "finished": false):
    step carries the whole batch). Decode tok/s, ms per step, and MBU = (W + K) / step time / bandwidth,
    where W = weight bytes, K = KV bytes at the average decode context (bench.py's docstring) and bandwidth =
    the better of an on-device copy (read + write bytes) and an on-device sum (read bytes) of a 2 GiB
-   buffer (bench.device_bandwidth). Items run batch by batch, pallas before xla. Then both backends decode
+   buffer (bench.device_bandwidth); and the XLA floor of the same shapes (bench.xla_floor: the layers
+   straight-line, without attention, sampling or host work) with the engine's share of it ("of floor":
+   what the engine's loop over layers, attention and sampler cost). Items run batch by batch, pallas
+   before xla. Then both backends decode
    the same greedy prompts at the largest batch <= 32 both measured (shapes already compiled): how many
    outputs agree token for token (with random weights, near-ties in bfloat16 may flip a token; this is a
    sign, not a test). Last, the same model with its matmul weights quantized as they load: fp8 at batch 1
@@ -290,7 +293,7 @@ def junit_counts(path: Path) -> dict:
 DECODE_KEYS = ("batch", "decode_tokens_per_second", "decode_ms_per_token", "decode_steps", "decode_tokens",
                "mbu", "decode_bandwidth_gbps", "weight_bytes_per_step", "kv_bytes_per_step", "avg_decode_context",
                "prefill_tokens_per_second", "prefill_tokens", "compile_seconds", "step_ms", "host_ms_per_step",
-               "device_idle")
+               "device_idle", "xla_floor_tokens_per_second", "of_floor")
 
 
 def decode(plan: Plan, clock: Clock, report: Report) -> None:
@@ -623,6 +626,10 @@ def sequence_lines(q: dict) -> list[str]:
     return lines + [f"- ERROR {e['what']}: {e['error'][:300]}" for e in q.get("errors", [])] + [""]
 
 
+def _float(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
 def gbps(x: float) -> str:
     return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
@@ -665,12 +672,13 @@ def decode_lines(d: dict) -> list[str]:
                   f"{m['weight_copies']} |" for m in d["matmuls"]] + [""]
     if d["results"]:
         lines += ["| backend | batch | decode tok/s | ms/step | MBU | GB/s read | W + K GB/step | prefill tok/s | "
-                  "compile s | host ms/step | device idle |", "| --- " * 11 + "|"]
+                  "compile s | host ms/step | device idle | XLA floor tok/s | of floor |", "| --- " * 13 + "|"]
         lines += [f"| {x['backend']} | {x['batch']} | {x['decode_tokens_per_second']:,.1f} | "
                   f"{x['decode_ms_per_token']:.2f} | {x['mbu']:.1%} | {gbps(x['decode_bandwidth_gbps'])} | "
                   f"{(x['weight_bytes_per_step'] + x['kv_bytes_per_step']) / 1e9:.2f} | "
                   f"{x['prefill_tokens_per_second']:,.0f} | {x['compile_seconds']:.1f} | {x['host_ms_per_step']:.2f} | "
-                  f"{x['device_idle']:.1%} |" for x in d["results"]]
+                  f"{x['device_idle']:.1%} | {_float(x['xla_floor_tokens_per_second'], ',.1f')} | "
+                  f"{_float(x['of_floor'], '.1%')} |" for x in d["results"]]
         lines.append("")
     for x in d["results"]:
         if x.get("ops"):
