@@ -30,6 +30,7 @@ import pytest
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.bench.quant import one_byte_copies
 from jaxinfer.checkpoint import CheckpointError
+from jaxinfer.device.matmul import contraction_minor
 from jaxinfer.quant import QMAX, QuantArray, fp8_matmul, matmul, max_error, quantize
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -235,6 +236,12 @@ def test_fp8_gemm_cross_lowers_for_hopper():
             text = jax.jit(fp8_matmul).trace(x.astype(jnp.bfloat16), q).lower(lowering_platforms=("cuda",)).as_text()
         dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
         assert dots and all("f8E4M3FN>, tensor<" in d and d.count("f8E4M3FN") >= 2 for d in dots), dots
+    # a weight stored as gemm_layouts stores it reaches the CUDA program with its contraction (dim 0) minor
+    q = quantize(w[:, 0], "fp8", contract=1, out=1)
+    q = q.replace(values=jax.device_put(q.values, contraction_minor(q)))
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.format), q)
+    text = jax.jit(fp8_matmul).trace(x.astype(jnp.bfloat16), abstract).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.search(r"%arg1: tensor<100x8xf8E4M3FN> \{mhlo.layout_mode = \"\{0,1\}\"", text), text[:2000]
 
 
 def test_fp8_weights_are_stored_as_the_fp8_gemm_reads_them(hf_tiny, monkeypatch):
