@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxinfer.bench.gpu_check import DRY_RUN, Clock, junit_counts, parse_args
+from jaxinfer.bench.gpu_check import DRY_RUN, NO_CUDA_GRAPHS, Clock, junit_counts, parse_args
 from jaxinfer.bench.quant import MATMULS
 from jaxinfer.random_model import DEFAULT
 
@@ -79,6 +79,8 @@ def test_decode_figures(dry_run):
     # each backend's smallest batch is traced once more: its costliest operations per step
     profiled = [(x["backend"], x["batch"]) for x in d["results"] if "ops" in x]
     assert profiled == [("pallas", 1), ("xla", 1), ("xla+int8", 1)]
+    # pallas's profile on programs compiled anew without CUDA graphs (an XLA option a CPU accepts and ignores)
+    assert [x["ops"]["xla_options"] for x in d["results"] if "ops" in x] == [NO_CUDA_GRAPHS, {}, {}]
     for x in d["results"]:
         if "ops" in x:
             assert x["ops"]["steps"] == steps + 1 and 0 < len(x["ops"]["ops"]) <= 8
@@ -138,6 +140,7 @@ def test_markdown_mirrors_the_json(dry_run):
             top = x["ops"]["ops"][0]
             row = f"| {top['ms_per_step']:.3f} | {top['runs_per_step']:.1f} | {top['share']:.1%} | {top['name']} "
             assert row in md
+    assert "Costliest device operations, pallas batch 1 without CUDA graphs (" in md
     assert f"| {r['kernel_tests']['passed']} | 0 | 0 | 0 |" in md
     assert f"| 1/1 | {r['serving']['duration_s']:.2f} |" in md
     assert f"| memory bandwidth, GB/s | {r['calibration']['measured']['memory_bandwidth'] / 1e9:.3g} | - | - |" in md

@@ -47,6 +47,22 @@ def test_warmup_compiles_the_serving_buckets_and_generate_compiles_nothing_new(l
     assert llm.warmup(progress=False) == 0
 
 
+def test_programs_compiled_with_other_options_are_kept_apart(llm):
+    """ModelRunner.compiled_with (a GPU profile without CUDA graphs): its steps compile anew with the options
+    and give the same tokens; after it the runner's own executables, and only those, are back."""
+    runner, prompts = llm.engine.runner, [list(range(40, 47))]
+    tokens = llm.generate(prompts, GREEDY)[0].token_ids
+    own = dict(runner.executables)
+    with runner.compiled_with(xla_gpu_enable_command_buffer=""):
+        assert runner.executables == {} and runner.compiler_options["xla_gpu_enable_command_buffer"] == ""
+        assert llm.generate(prompts, GREEDY)[0].token_ids == tokens
+        apart = list(runner.executables.values())
+        assert apart and not {id(x) for x in apart} & {id(x) for x in own.values()}
+    assert runner.executables == own and "xla_gpu_enable_command_buffer" not in runner.compiler_options
+    assert all(exe in own.values() for exe in runner.last.values())
+    assert llm.generate(prompts, GREEDY)[0].token_ids == tokens and runner.executables == own
+
+
 def test_a_sequence_wider_than_the_page_table_is_refused():
     seq = ScheduledSequence("a", [1], 40, list(range(3)), GREEDY_ARRAYS, 0, samples=True, prefill=False)
     pack([SchedulerOutput([seq])], 16, 8, width=3)

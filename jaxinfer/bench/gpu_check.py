@@ -9,27 +9,28 @@ leaves what it measured, with "finished": false):
    pytest in a child process with JAX_PLATFORMS=cuda, so the Pallas kernels compile through Triton and run
    on the GPU (on CPU the same tests run them in interpret mode; float32 dots in full precision either way,
    not TF32); pass / fail / error / skip counts and the failures. It runs before this process touches the GPU.
-2. decode: a Llama-3-8B-shaped model (random_model.LLAMA3_8B: hidden 4096, 32 layers, 32 heads, 8 KV heads,
-   MLP 14336, vocabulary 128256) with random bfloat16 weights drawn on the device (LLM.random: nothing is
-   written to disk), one engine per attention backend (pallas, xla), each with the same weights (same
-   seed), at batch 1, 32 and 128: jaxinfer.bench.decode.bench_batch (a warm-up generate with the same shapes, then
-   the measured one; prompt 128 tokens, 64 new, greedy; the step budget holds every prompt, so each decode
-   step carries the whole batch). Decode tok/s, ms per step, and MBU = (W + K) / step time / bandwidth,
-   where W = weight bytes, K = KV bytes at the average decode context (bench.py's docstring) and bandwidth =
-   the better of an on-device copy (read + write bytes) and an on-device sum (read bytes) of a 2 GiB
-   buffer (bench.device_bandwidth); and the XLA floor of the same shapes (bench.xla_floor: the layers
-   straight-line, without attention, sampling or host work) with the engine's share of it ("of floor":
-   what the engine's loop over layers, attention and sampler cost). Items run batch by batch, pallas
-   before xla. Then both backends decode
-   the same greedy prompts at the largest batch <= 32 both measured (shapes already compiled): how many
-   outputs agree token for token (with random weights, near-ties in bfloat16 may flip a token; this is a
-   sign, not a test). Last, the same model with its matmul weights quantized as they load: fp8 at batch 1
-   ("pallas+fp8": on Hopper an fp8 GEMM per matmul; `fp8_gemm` says whether the device has one) and int8 at
-   batch 1 ("pallas+int8": dequantize-then-matmul). Before the engines, one 4096 x 28672 weight's matmul
-   alone at 1 and 32 rows in each form the engine may run it (jaxinfer.bench.quant.weight_matmuls: bfloat16,
-   the fp8 GEMM on the weight stored row-major and contraction-minor, int8 dequantize-then-matmul and int8
-   matmul-then-scale): time, GB/s, and the weight-sized transposes and copies XLA put in the program; and for
-   each quantized engine, the 1-byte transposes and copies in its decode step.
+2. decode: first one 4096 x 28672 weight's matmul alone at 1 and 32 rows in each form the engine may run it
+   (jaxinfer.bench.quant.weight_matmuls: bfloat16, the fp8 GEMM on the weight stored row-major and
+   contraction-minor, int8 dequantize-then-matmul and int8 matmul-then-scale): time, GB/s, and the
+   weight-sized transposes and copies XLA put in the program. Then a Llama-3-8B-shaped model
+   (random_model.LLAMA3_8B: hidden 4096, 32 layers, 32 heads, 8 KV heads, MLP 14336, vocabulary 128256) with
+   random bfloat16 weights drawn on the device (LLM.random: nothing is written to disk), one engine per
+   attention backend (pallas, xla) and two more with the matmul weights quantized as they load ("pallas+fp8":
+   on Hopper an fp8 GEMM per matmul, `fp8_gemm` says whether the device has one; "pallas+int8":
+   dequantize-then-matmul), all from the same seed: jaxinfer.bench.decode.bench_batch (a warm-up generate
+   with the same shapes, then the measured one; prompt 128 tokens, 64 new, greedy; the step budget holds
+   every prompt, so each decode step carries the whole batch) at batch 1 for all four, then at 32 and 128
+   for pallas and xla. Decode tok/s, ms per step, and MBU = (W + K) / step time / bandwidth, where W =
+   weight bytes, K = KV bytes at the average decode context (bench.py's docstring) and bandwidth = the
+   better of an on-device copy (read + write bytes) and an on-device sum (read bytes) of a 2 GiB buffer
+   (bench.device_bandwidth); the XLA floor of the same shapes (bench.xla_floor: the layers straight-line,
+   without attention, sampling or host work) with the engine's share of it ("of floor": what the engine's
+   loop over layers, attention and sampler cost); for each quantized engine, the 1-byte transposes and
+   copies in its decode step. Each backend's batch-1 generate is traced once more for its costliest
+   operations, pallas's on programs compiled without CUDA graphs (NO_CUDA_GRAPHS), whose kernels a trace
+   cannot otherwise see. Last, both attention backends decode the same greedy prompts at the largest batch
+   <= 32 both measured (shapes already compiled): how many outputs agree token for token (with random
+   weights, near-ties in bfloat16 may flip a token; this is a sign, not a test).
 3. serving: jaxinfer.bench.serving's in-process workload on the same model shape (attention backend: auto):
    32 requests at t=0, prompts 64-128 and outputs 32-64 tokens, step budget 2048 (six step shapes to compile
    at most, as counted on CPU). The HTTP layer is not measured here (bench_serving --http needs fastapi,
@@ -111,8 +112,8 @@ class Plan:
 
 GPU = Plan(
     name="gpu", model=LLAMA3_8B, model_label="Llama-3-8B shape", dtype="bfloat16", platform="cuda",
-    kernel_tests=KERNEL_TESTS, items=(*((b, k) for b in (1, 32, 128) for k in ("pallas", "xla")),
-                                      (1, "pallas+fp8"), (1, "pallas+int8")),
+    kernel_tests=KERNEL_TESTS, items=((1, "pallas"), (1, "pallas+fp8"), (1, "pallas+int8"), (1, "xla"),
+                                      *((b, k) for b in (32, 128) for k in ("pallas", "xla"))),
     prompt_len=128, max_tokens=64,
     num_pages=2048, bandwidth_mib=2048,
     serving=("--num-requests", "32", "--prompt-len-range", "64", "128", "--output-len-range", "32", "64",
@@ -346,8 +347,9 @@ def decode(plan: Plan, clock: Clock, report: Report) -> None:
                     part["results"][-1]["one_byte_copies"] = one_byte_copies(llm.engine.runner.last["decode"].as_text())
                 if batch == min(b for b, k in plan.items if k == backend) and clock.left("decode") > cost[backend]:
                     traces = report.outdir / "traces" / f"{backend}-b{batch}"
+                    options = NO_CUDA_GRAPHS if backend == "pallas" else None   # the headline's kernels seen
                     part["results"][-1]["ops"] = guarded(part, f"{backend} batch {batch}: profile", profile_decode,
-                                                         plan, llm, batch, traces)
+                                                         plan, llm, batch, traces, options)
             report.save()
         if any(k.endswith("+fp8") for k in llms):
             from jaxinfer.device.matmul import has_fp8_gemm
@@ -363,16 +365,22 @@ def decode(plan: Plan, clock: Clock, report: Report) -> None:
     part["status"] = "ok" if not part["errors"] and not part["skipped"] else "partial" if part["results"] else "failed"
 
 
-def profile_decode(plan: Plan, llm, batch: int, directory: Path) -> dict:
+NO_CUDA_GRAPHS = {"xla_gpu_enable_command_buffer": ""}   # XLA runs a GPU step as CUDA graphs, opaque to a trace
+
+
+def profile_decode(plan: Plan, llm, batch: int, directory: Path, options: dict | None = None) -> dict:
     """The benchmark's generate once more under jax.profiler (bench --profile): the costliest device
-    operations per step, and the trace in `directory` for xprof or TensorBoard."""
+    operations per step, and the trace in `directory` for xprof or TensorBoard; with XLA `options`, on
+    programs compiled anew with them (ModelRunner.compiled_with)."""
     from jaxinfer.bench.decode import profile_ops
     from jaxinfer.bench.peers import bench_prompts
     from jaxinfer.sampling import SamplingParams
 
     _, prompts = bench_prompts(llm.config.vocab_size, batch, plan.prompt_len, seed=batch)
-    return profile_ops(llm, prompts, SamplingParams(max_tokens=plan.max_tokens, temperature=0, ignore_eos=True),
-                       directory, top=8)
+    with llm.engine.runner.compiled_with(**(options or {})):
+        ops = profile_ops(llm, prompts, SamplingParams(max_tokens=plan.max_tokens, temperature=0, ignore_eos=True),
+                          directory, top=8)
+    return {**ops, "xla_options": options or {}}
 
 
 def random_llm(plan: Plan, config, backend: str):
@@ -683,8 +691,9 @@ def decode_lines(d: dict) -> list[str]:
     for x in d["results"]:
         if x.get("ops"):
             p = x["ops"]
-            lines += [f"Costliest device operations, {x['backend']} batch {x['batch']} ({p['steps']} steps traced into "
-                      f"`{Path(p['trace']).name}`):", "",
+            graphs = " without CUDA graphs" if p.get("xla_options") == NO_CUDA_GRAPHS else ""
+            lines += [f"Costliest device operations, {x['backend']} batch {x['batch']}{graphs} ({p['steps']} steps "
+                      f"traced into `{Path(p['trace']).name}`):", "",
                       "| ms/step | runs/step | share | operation (program) | source |", "| --- " * 5 + "|"]
             lines += [f"| {o['ms_per_step']:.3f} | {o['runs_per_step']:.1f} | {o['share']:.1%} | {o['name']} "
                       f"({o['module']}) | `{o['source']}` |" for o in p["ops"]]

@@ -137,6 +137,7 @@ class ModelRunner:
         self.last: dict[str, jax.stages.Compiled] = {}   # phase -> its latest executable
         self.compile_seconds = 0.0
         self.compile_cpu_seconds = 0.0   # the compiling threads' own CPU time (tracing, lowering, XLA's work there)
+        self.compiler_options = compiler_options(layout.platform)
         # every device gets the whole input buffer (a few KiB), so unpacking it needs no collective
         self._replicated = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
         self._jitted: dict[str, Callable] = {}   # bucket name -> its jitted program
@@ -156,8 +157,21 @@ class ModelRunner:
 
             program.__name__ = program.__qualname__ = name
             self._jitted[name] = jax.jit(program, donate_argnums=(1,), static_argnums=(3,),
-                                         compiler_options=compiler_options(self.layout.platform))
+                                         compiler_options=self.compiler_options)
         return self._jitted[name]
+
+    @contextlib.contextmanager
+    def compiled_with(self, **options: Any):
+        """While active, steps run programs compiled anew with these XLA options added and kept nowhere (a GPU
+        step profiled without CUDA graphs, whose kernels a trace cannot see inside, say); the runner's own
+        executables come back after."""
+        saved = self.compiler_options, self._jitted, self.executables, self.executables_dir, dict(self.last)
+        self.compiler_options = {**self.compiler_options, **options}
+        self._jitted, self.executables, self.executables_dir = {}, {}, None
+        try:
+            yield
+        finally:
+            self.compiler_options, self._jitted, self.executables, self.executables_dir, self.last = saved
 
     def state_survived(self) -> bool:
         """Whether the state (the KV pool above all) is whole: neither donated to a call that then failed nor
