@@ -266,7 +266,7 @@ def test_fp8_weights_are_stored_as_the_fp8_gemm_reads_them(hf_tiny, monkeypatch)
             assert x.values.sharding.spec == llm.layout.sharding((*[None] * a, *x.axes)).spec
         logits = llm.logits(prompts)
         taken = jax.tree.leaves(llm.engine.runner.last["score"].input_formats[0][0])
-        stored = [f for f in jax.tree.leaves(jax.tree.map(lambda x: x.format, llm.weights))]
+        stored = jax.tree.leaves(jax.tree.map(lambda x: x.format, llm.weights))
         assert [f.layout for f in taken] == [f.layout for f in stored]
         # XLA:CPU's dot wants its weight row-major, so here (only) the program copies each of a layer's four
         # matmul weights back first: the copies the GPU check counts in the other direction on a GPU

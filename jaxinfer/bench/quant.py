@@ -88,14 +88,18 @@ def run(args: argparse.Namespace) -> dict:
 
 MATMULS = ("plain", "fp8 gemm, row-major", "fp8 gemm, contraction-minor", "int8, dequantize then matmul",
            "int8, matmul then scale")
-WEIGHT_COPY = re.compile(r"= (?:f8e4m3fn|s8|bf16|f16|f32)\[(\d+),(\d+)\]\{[^}]*\} (?:transpose|copy)\(")
-ONE_BYTE_COPY = re.compile(r"= (?:f8e4m3fn|s8)\[([\d,]*)\]\{[^}]*\} (?:transpose|copy)\(")
+COPY = re.compile(r"= (\w+)\[([\d,]*)\]\{[^}]*\} (?:transpose|copy)\(")
+
+
+def copies(hlo: str) -> list[tuple[str, int]]:
+    """(element type, elements) of every transpose and copy in a compiled program's text."""
+    return [(dtype, math.prod(int(d) for d in dims.split(",") if d)) for dtype, dims in COPY.findall(hlo)]
 
 
 def one_byte_copies(hlo: str) -> dict:
     """The transposes and copies of 1-byte arrays (quantized weights, or fp8 activations) in a compiled
     program's text, and the bytes they write: what a step moves besides reading its weights once."""
-    sizes = [math.prod(int(d) for d in dims.split(",") if d) for dims in ONE_BYTE_COPY.findall(hlo)]
+    sizes = [n for dtype, n in copies(hlo) if dtype in ("f8e4m3fn", "s8")]
     return {"count": len(sizes), "bytes": sum(sizes)}
 
 
@@ -136,7 +140,7 @@ def weight_matmuls(k: int, n: int, rows: int, dtype: str, reps: int = 50) -> lis
         seconds = (time.perf_counter() - t0) / reps
         nbytes = sum(a.nbytes for a in jax.tree.leaves(weight))
         out.append({"form": name, "k": k, "n": n, "rows": rows, "us": 1e6 * seconds, "gbps": nbytes / seconds / 1e9,
-                    "weight_copies": sum(int(a) * int(b) == k * n for a, b in WEIGHT_COPY.findall(hlo))})
+                    "weight_copies": sum(size == k * n for _, size in copies(hlo))})
     return out
 
 
