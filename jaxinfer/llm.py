@@ -20,7 +20,7 @@ from jaxinfer.collectives import collective_report
 from jaxinfer.config import EngineConfig, ModelConfig, read_json
 from jaxinfer.converted import Converted, open_checkpoint
 from jaxinfer.device.compilation_cache import enable_compilation_cache
-from jaxinfer.device.layers import UNROLL_LAYER_BYTES, Weights, layer_bytes, one_stack_per_layer
+from jaxinfer.device.layers import Weights, stacks_as_run
 from jaxinfer.device.matmul import gemm_layouts
 from jaxinfer.device.pipeline import stage_specs
 from jaxinfer.engine.core import Completion, Engine
@@ -127,8 +127,7 @@ class LLM:
         self.model = model_for(self.config)
         specs = stage_specs(self.model, self.layout)
         stages = self.layout.axis_size("layers")
-        if not self._scan_layers(engine_config.scan_layers, stages, specs):
-            specs = one_stack_per_layer(specs)
+        specs = stacks_as_run(specs, self.dtype, engine_config.scan_layers, stages)
         specs = quantize(specs)
         check(specs)   # a bad checkpoint is refused before the engine exists
         # The engine is built on the weights' shapes while they load, so the step executables already
@@ -146,16 +145,6 @@ class LLM:
         self.loop = EngineLoop(self.engine)
         log.info("loaded %s (%s) on mesh %s in %s", self.source, self.config.architecture, self.mesh_config,
                  jnp.dtype(self.dtype).name)
-
-    def _scan_layers(self, asked: bool | None, stages: int, specs: Weights) -> bool:
-        """Scan by default, except where a layer's weights outgrow the caches, so that the scan's copy of them
-        costs more than a deeper program's compile time (jaxinfer.device.layers.one_stack_per_layer: on CPU and
-        on GPU alike); a pipeline always scans."""
-        if asked is False and stages > 1:
-            raise ValueError("scan_layers=False needs pp=1: pipeline stages hold their layers as stacks")
-        if asked is None:
-            return stages > 1 or layer_bytes(specs, self.dtype) < UNROLL_LAYER_BYTES
-        return asked
 
     @property
     def source(self) -> str:

@@ -115,21 +115,33 @@ def max_error(w: jax.Array, q: QuantArray) -> jax.Array:
 
 
 def matmul(x: jax.Array, w: jax.Array | QuantArray, contract: int = 1) -> jax.Array:
-    """x [..., *k] times w [*k, *out] -> [..., *out] in x's dtype; w a plain array or a QuantArray (here
-    dequantized, then multiplied: XLA fuses the two on GPU; XLA:CPU runs the C++ kernel instead, see
+    """x [..., *k] times w [*k, *out] -> [..., *out] in x's dtype; w a plain array or a QuantArray.
+
+    A QuantArray with one scale per output channel goes into the product as its values converted to x's dtype
+    (exact: every int8 and e4m3 value is a bfloat16), the product accumulated in float32 and scaled per output
+    column: XLA:GPU fuses that conversion into the GEMM, which then reads one byte per weight, where a weight
+    dequantized first is written out in full precision and read back on every step (the program compiled for
+    an H100 did so for every weight, `python -m jaxinfer.bench.gpu_compile`). Block-wise scales vary along the
+    contraction, so such a weight is dequantized first. XLA:CPU runs the C++ kernel instead (see
     jaxinfer.device.layers.StepContext.matmul).
 
     One contraction axis: a 2-D product with w flattened to [K, out] (a free reshape); as an einsum over
     w's several output axes, XLA:CPU copied w on every step. Several (the attention output [H, D, E]):
     contracted in the weight's own order, which XLA:CPU reads in place."""
-    if isinstance(w, QuantArray):
-        contract = w.contract
-        w = w.dequantize(x.dtype)
+    if not isinstance(w, QuantArray):
+        return _product(x, w, contract)
+    if w.scale.shape[w.lead] > 1:
+        return _product(x, w.dequantize(x.dtype), w.contract)
+    y = _product(x, w.values.astype(x.dtype), w.contract, jnp.float32)
+    return (y * w.scale.reshape(w.shape[w.contract:])).astype(x.dtype)
+
+
+def _product(x: jax.Array, w: jax.Array, contract: int, out_dtype=None) -> jax.Array:
     if contract == 1:
-        y = jnp.einsum("...e,eo->...o", x, w.reshape(w.shape[0], -1))
+        y = jnp.einsum("...e,eo->...o", x, w.reshape(w.shape[0], -1), preferred_element_type=out_dtype)
         return y.reshape(*x.shape[:-1], *w.shape[1:])
     dims = (tuple(range(x.ndim - contract, x.ndim)), tuple(range(contract)))
-    return jax.lax.dot_general(x, w, (dims, ((), ())))
+    return jax.lax.dot_general(x, w, (dims, ((), ())), preferred_element_type=out_dtype)
 
 
 def fp8_matmul(x: jax.Array, w: QuantArray) -> jax.Array:
@@ -145,6 +157,8 @@ def fp8_matmul(x: jax.Array, w: QuantArray) -> jax.Array:
     k, n = math.prod(w.shape[:c]), math.prod(out_shape)
     blocks = w.scale.shape[0]
     rows = x.reshape(-1, k)
+    t = rows.shape[0]
+    rows = jnp.pad(rows, ((0, max(0, 2 - t)), (0, 0)))
     pad = blocks * w.block - k                                  # a partial last block reads zeros
     xb = jnp.pad(rows, ((0, 0), (0, pad))).reshape(-1, blocks, w.block).astype(jnp.float32)
     xs = jnp.max(jnp.abs(xb), axis=-1, keepdims=True) / QMAX["fp8"]
@@ -157,7 +171,7 @@ def fp8_matmul(x: jax.Array, w: QuantArray) -> jax.Array:
     else:             # block-wise: one GEMM per contraction block, batched, then scaled and summed
         y = jax.lax.dot_general(xq, wq, (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.float32)
         y = (y * xs.transpose(1, 0, 2) * w.scale.reshape(blocks, 1, n)).sum(0)  # [blocks, T, N] -> [T, N]
-    return y.astype(x.dtype).reshape(*x.shape[: x.ndim - c], *out_shape)
+    return y[:t].astype(x.dtype).reshape(*x.shape[: x.ndim - c], *out_shape)
 
 
 def weight_quantization(weights) -> str | None:

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 MATMULS = ("plain", "fp8 gemm, row-major", "fp8 gemm, contraction-minor", "int8, dequantize then matmul",
-           "int8, matmul then scale")
+           "int8, matmul then scale (the engine's)")
 COPY = re.compile(r"= (\w+)\[([\d,]*)\]\{[^}]*\} (?:transpose|copy)\(")
 
 
@@ -106,9 +106,9 @@ def one_byte_copies(hlo: str) -> dict:
 def weight_matmuls(k: int, n: int, rows: int, dtype: str, reps: int = 50) -> list[dict]:
     """One [K, N] weight's matmul on `rows` activation rows, on the default device, in each form the engine may
     run it (MATMULS: the plain weight in `dtype`; jaxinfer.quant.fp8_matmul on the fp8 weight stored row-major
-    and stored as jaxinfer.device.matmul.gemm_layouts stores it; jaxinfer.quant.matmul on the int8 weight; and
-    the int8 values converted to `dtype` in the matmul, the per-channel scale applied to its output, which a
-    GPU compiler may fuse into one GEMM reading one byte per weight):
+    and stored as jaxinfer.device.matmul.gemm_layouts stores it; the int8 weight dequantized, then multiplied;
+    and jaxinfer.quant.matmul on it: its values converted to `dtype` in the matmul and the per-channel scale
+    applied to the product, which XLA:GPU fuses into one GEMM reading one byte per weight):
     us per matmul, the weight's bytes over that time (GB/s), and how many weight-sized transposes and copies
     the compiled program holds (what XLA adds around the GEMM). `reps` matmuls run in one call, each on the
     previous one's output, so neither the host's dispatch nor a hoisted loop-invariant product is measured."""
@@ -125,8 +125,8 @@ def weight_matmuls(k: int, n: int, rows: int, dtype: str, reps: int = 50) -> lis
     forms = {MATMULS[0]: (lambda x, w: x @ w, w.astype(dtype)),
              MATMULS[1]: (fp8_matmul, fp8),
              MATMULS[2]: (fp8_matmul, fp8.replace(values=jax.device_put(fp8.values, contraction_minor(fp8)))),
-             MATMULS[3]: (matmul, int8),
-             MATMULS[4]: (lambda x, q: (x @ q.values.astype(x.dtype)) * q.scale[0].astype(x.dtype), int8)}
+             MATMULS[3]: (lambda x, q: x @ q.dequantize(x.dtype), int8),
+             MATMULS[4]: (matmul, int8)}
     out = []
     for name, (mm, weight) in forms.items():
         def chain(x, weight, mm=mm):

@@ -111,7 +111,10 @@ def pool_pages(config: EngineConfig, device: jax.Device, weight_bytes_per_device
     for max_num_seqs full contexts within CPU_KV_BUDGET."""
     if config.num_pages is not None:
         return config.num_pages
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    try:
+        stats = device.memory_stats()
+    except jax.errors.JaxRuntimeError:   # a compile-only device (jaxinfer.device.gpu_target) reports none
+        stats = None
     if stats and "bytes_limit" in stats:
         free = config.memory_fraction * stats["bytes_limit"] - weight_bytes_per_device
         pages = int(free // bytes_per_page_per_device)

@@ -89,6 +89,18 @@ def one_stack_per_layer(weights: Weights) -> Weights:
     return dataclasses.replace(weights, layers=tuple(out))
 
 
+def stacks_as_run(weights: Weights, dtype, scan: bool | None, stages: int) -> Weights:
+    """The weight specs stacked as the engine runs them: scanned (`scan` True) or one stack per layer (False);
+    by default scanned, except where a layer's weights outgrow the caches, so that the scan's copy of them
+    costs more than a deeper program's compile time (one_stack_per_layer, on CPU and on GPU alike). A
+    pipeline always scans."""
+    if scan is False and stages > 1:
+        raise ValueError("scan_layers=False needs pp=1: pipeline stages hold their layers as stacks")
+    if scan is None:
+        scan = stages > 1 or layer_bytes(weights, dtype) < UNROLL_LAYER_BYTES
+    return weights if scan else one_stack_per_layer(weights)
+
+
 def layer_ids(stack: LayerStack) -> tuple[int | None, ...] | None:
     """The checkpoint layers a stack of specs holds, in order (None: all of the model's, 0..size-1)."""
     return jax.tree.leaves(stack.weights, is_leaf=is_spec)[0].layer_ids

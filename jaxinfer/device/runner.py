@@ -130,7 +130,9 @@ class ModelRunner:
         self.executables_dir = executables if defined_in_jaxinfer(type(model)) else None
         self.loaded = 0   # executables read from executables_dir instead of compiled
         replicas = layout.axis_size("batch")
-        sampled = jax.device_put(np.zeros((replicas, max_seqs), np.int32), layout.sharding(("batch", None)))
+        sampled = jax.ShapeDtypeStruct((replicas, max_seqs), np.int32, sharding=layout.sharding(("batch", None)))
+        if not isinstance(cache.k, jax.ShapeDtypeStruct):   # an engine that compiles only holds shapes
+            sampled = jax.device_put(np.zeros(sampled.shape, sampled.dtype), sampled.sharding)
         self.state: Any = RunnerState(cache, sampled)
         self.vocab_size = model.cfg.vocab_size
         self.executables: dict[tuple, jax.stages.Compiled] = {}

@@ -18,6 +18,8 @@ import jax
 from jaxinfer.checkpoint import abstract, is_spec
 from jaxinfer.collectives import KINDS, Report, collective_report
 from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.device.layers import stacks_as_run
+from jaxinfer.device.matmul import gemm_layouts
 from jaxinfer.device.pipeline import stage_specs
 from jaxinfer.engine.core import Engine
 from jaxinfer.engine.packer import token_bucket
@@ -41,33 +43,52 @@ class CompiledLayout:
     prefill_shape: tuple[int, int]
 
 
+def layout_engine(cfg: ModelConfig, mesh: MeshConfig, dtype, config: EngineConfig, decode_seqs: int = 1,
+                  devices: list | None = None) -> Engine:
+    """The engine of the layout on the first mesh.size of `devices` (default: all), built as LLM builds it
+    (its weights stacked, quantized and laid out the same way) on the weights' shapes, its KV pool's shapes
+    (nothing allocated), room for `decode_seqs` sequences per replica: it compiles steps and runs none."""
+    layout = Layout(mesh.make(devices))
+    model = model_for(cfg)
+    specs = stacks_as_run(stage_specs(model, layout), dtype, config.scan_layers, layout.axis_size("layers"))
+    specs = quantized_specs(specs, config.quantization)
+    weights = gemm_layouts(jax.tree.map(lambda s: abstract(s, dtype, layout.sharding), specs, is_leaf=is_spec), layout)
+    config = dataclasses.replace(config, compilation_cache=False, max_num_seqs=max(config.max_num_seqs, decode_seqs))
+    return Engine(model, layout, weights, dtype, config, allocate=False)
+
+
+def decode_shape(engine: Engine, seqs: int) -> tuple[int, int]:
+    """(tokens, sequences) per replica of the decode bucket that holds `seqs` sequences."""
+    seqs = 1 << (seqs - 1).bit_length()
+    return token_bucket(seqs, engine.sp), seqs
+
+
+def step_program(engine: Engine, shape: tuple[int, int], ring: bool = False) -> jax.stages.Compiled:
+    """The engine's step compiled for a bucket of (tokens, sequences) per replica (and per microbatch under
+    pp); ring: a prefill under sp, whose fresh K/V travel the ring."""
+    idle = [SchedulerOutput([])] * len(engine.schedulers)
+    batch = engine.packer.pack_stages([idle] * engine.stages, shape=shape)
+    if ring:
+        batch = batch.replace(meta=batch.meta.replace(ring=True))
+    if engine.stages > 1:
+        engine.runner.fit_carry(shape[0])
+    return engine.runner.compile("step", batch)
+
+
 def compile_layout(cfg: ModelConfig, mesh: MeshConfig, dtype, config: EngineConfig, decode_seqs: int,
                    devices: list | None = None, programs: bool = True) -> CompiledLayout:
     """Compile the layout's decode step of `decode_seqs` sequences per replica (per microbatch under pp) and its
     prefill chunk of config.max_tokens_per_step tokens, on the first mesh.size of `devices` (default: all).
     programs=False: the bytes alone, nothing compiled (empty reports)."""
-    layout = Layout(mesh.make(devices))
-    model = model_for(cfg)
-    specs = quantized_specs(stage_specs(model, layout), config.quantization)
-    weights = jax.tree.map(lambda s: abstract(s, dtype, layout.sharding), specs, is_leaf=is_spec)
-    config = dataclasses.replace(config, compilation_cache=False, max_num_seqs=max(config.max_num_seqs, decode_seqs))
-    engine = Engine(model, layout, weights, dtype, config, allocate=False)
-    idle = [SchedulerOutput([])] * len(engine.schedulers)
-    packer, runner = engine.packer, engine.runner
+    engine = layout_engine(cfg, mesh, dtype, config, decode_seqs, devices)
 
     def program(shape: tuple[int, int], ring: bool) -> Report:
         if not programs:
             return {k: {"count": 0, "bytes": 0} for k in KINDS}
-        batch = packer.pack_stages([idle] * engine.stages, shape=shape)
-        if ring:   # prefill under sp: fresh K/V travel the ring
-            batch = batch.replace(meta=batch.meta.replace(ring=True))
-        if engine.stages > 1:
-            runner.fit_carry(shape[0])
-        return collective_report(runner.compile("step", batch).as_text())
+        return collective_report(step_program(engine, shape, ring).as_text())
 
-    seqs = 1 << (decode_seqs - 1).bit_length()
-    decode_shape = (token_bucket(seqs, engine.sp), seqs)
+    packer, weights = engine.packer, engine.runner.weights
     prefill_shape = (packer.max_tokens, min(packer.max_tokens, packer.max_seqs))
-    return CompiledLayout(max(device_bytes(weights, d) for d in layout.mesh.devices.flat),
-                          engine.kv_bytes_per_token, program(decode_shape, False),
-                          program(prefill_shape, engine.sp > 1), decode_shape, prefill_shape)
+    return CompiledLayout(max(device_bytes(weights, d) for d in engine.layout.mesh.devices.flat),
+                          engine.kv_bytes_per_token, program(decode_shape(engine, decode_seqs), False),
+                          program(prefill_shape, engine.sp > 1), decode_shape(engine, decode_seqs), prefill_shape)

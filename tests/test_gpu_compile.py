@@ -1,0 +1,120 @@
+"""The decode step compiled for an H100 on this CPU machine (jaxinfer.device.gpu_target): what it writes per
+step (jaxinfer.bench.hlo_writes) and how its GEMMs read quantized weights.
+
+A decode step reads each weight once; a weight dequantized before its GEMM (XLA:GPU wrote a bfloat16 copy of
+every int8 weight on every step), transposed for the GEMM (every fp8 weight at batch 1), or a matrix-vector
+product materialised is a weight-sized array written and read back per step. The model has Llama-3-8B's
+layer shapes (XLA keeps GEMMs of 10M elements and more as GEMMs at batch 1) and two layers; nothing is
+allocated, the engine compiles on the weights' shapes.
+"""
+
+import dataclasses
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxinfer.bench.gpu_compile import gemms
+from jaxinfer.bench.gpu_compile import main as gpu_compile_main
+from jaxinfer.bench.hlo_writes import written_arrays
+from jaxinfer.config import EngineConfig
+from jaxinfer.device.gpu_target import compile_only_gpus
+from jaxinfer.mesh import MeshConfig
+from jaxinfer.models import config_from_dict
+from jaxinfer.plan.compiled import decode_shape, layout_engine, step_program
+from jaxinfer.quant import QuantArray
+from jaxinfer.random_model import LLAMA3_8B
+
+HLO = """HloModule m
+
+%fused_double (p: f32[1024]) -> f32[1024] {
+  %p = f32[1024]{0} parameter(0)
+  ROOT %a = f32[1024]{0} add(%p, %p)
+}
+
+%body (t: (s32[], f32[1024])) -> (s32[], f32[1024]) {
+  %t = (s32[], f32[1024]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[1024]{0} get-tuple-element(%t), index=1
+  %loop_add_fusion = f32[1024]{0} fusion(%x), kind=kLoop, calls=%fused_double
+  ROOT %r = (s32[], f32[1024]{0}) tuple(%i, %loop_add_fusion)
+}
+
+%cond (t: (s32[], f32[1024])) -> pred[] {
+  %t = (s32[], f32[1024]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%small (x: f32[1024]) -> f32[2] {
+  %x = f32[1024]{0} parameter(0)
+  ROOT %s = f32[2]{0} slice(%x), slice={[0:2]}
+}
+
+%big (x: f32[1024]) -> f32[2] {
+  %x = f32[1024]{0} parameter(0)
+  %c = f32[1024]{0} copy(%x)
+  ROOT %s = f32[2]{0} slice(%c), slice={[0:2]}
+}
+
+ENTRY %main (x: f32[1024], pool: f32[65536], b: s32[]) -> (f32[2], f32[65536]) {
+  %x = f32[1024]{0} parameter(0)
+  %pool = f32[65536]{0} parameter(1)
+  %b = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %init = (s32[], f32[1024]{0}) tuple(%z, %x)
+  %w = (s32[], f32[1024]{0}) while(%init), condition=%cond, body=%body
+  %y = f32[1024]{0} get-tuple-element(%w), index=1
+  %k = f32[2]{0} conditional(%b, %y, %y), branch_computations={%small, %big}
+  %loop_dynamic_update_slice_fusion = f32[65536]{0} fusion(%pool, %k), kind=kLoop, calls=%fused_double
+  ROOT %out = (f32[2]{0}, f32[65536]{0}) tuple(%k, %loop_dynamic_update_slice_fusion)
+}
+"""
+
+
+def test_writes_count_loops_times_trips_the_larger_branch_and_no_in_place_update():
+    writes = written_arrays(HLO)
+    assert writes == {("loop_add_fusion", "f32[1024]"): 3 * 4096,      # a while body, 3 trips
+                      ("c", "f32[1024]"): 4096, ("s", "f32[2]"): 8}      # the larger branch, once
+
+
+@pytest.fixture(scope="module")
+def h100():
+    return compile_only_gpus("H100")
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return dataclasses.replace(config_from_dict({**LLAMA3_8B, "vocab_size": 32000}), num_layers=2)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "fp8"])
+def test_decode_on_an_h100_writes_no_weight_sized_array(h100, cfg, quantization):
+    """At batch 1 and 32: no array written per step is as large as the smallest matmul weight, and every
+    quantized GEMM reads its weight's 1-byte values (the conversion inside the GEMM)."""
+    config = EngineConfig(quantization=quantization, attention_backend="pallas")
+    engine = layout_engine(cfg, MeshConfig(), jnp.bfloat16, config, 32, h100)
+    leaves = jax.tree.leaves([s.weights for s in engine.runner.weights.layers],
+                             is_leaf=lambda x: isinstance(x, QuantArray))
+    arrays = [x.values if isinstance(x, QuantArray) else x for x in leaves]
+    smallest = min(math.prod(x.shape) * x.dtype.itemsize for x in arrays if len(x.shape) >= 3)   # not the norms
+    for batch in (1, 32):
+        hlo = step_program(engine, decode_shape(engine, batch)).as_text()
+        writes = written_arrays(hlo)
+        assert max(writes.values()) < smallest, writes.most_common(2)
+        assert gemms(hlo)[1] == (0 if quantization is None else 4 * cfg.num_layers)   # qkv, o, gate_up, down
+
+
+def test_the_command_reports_each_variant(capsys):
+    assert gpu_compile_main(["--layers", "1", "--batch", "1", "--quantization", "int8", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert (row["quantization"], row["batch"], row["one_byte_gemms"]) == ("int8", 1, 4)
+    assert 0 < row["written_bytes"] < row["weight_bytes_per_device"] / 100
+
+
+def test_an_unknown_gpu_is_refused():
+    with pytest.raises(ValueError, match="unknown GPU 'A100'"):
+        compile_only_gpus("A100")
