@@ -157,8 +157,8 @@ def fp8_matmul(x: jax.Array, w: QuantArray) -> jax.Array:
     k, n = math.prod(w.shape[:c]), math.prod(out_shape)
     blocks = w.scale.shape[0]
     rows = x.reshape(-1, k)
-    t = rows.shape[0]
-    rows = jnp.pad(rows, ((0, max(0, 2 - t)), (0, 0)))
+    t = rows.shape[0]   # one row is a matrix-vector product, which XLA lays out row-major, transposing the
+    rows = jnp.pad(rows, ((0, max(0, 2 - t)), (0, 0)))   # contraction-minor weight (jax 0.11.2): two rows, a GEMM
     pad = blocks * w.block - k                                  # a partial last block reads zeros
     xb = jnp.pad(rows, ((0, 0), (0, pad))).reshape(-1, blocks, w.block).astype(jnp.float32)
     xs = jnp.max(jnp.abs(xb), axis=-1, keepdims=True) / QMAX["fp8"]

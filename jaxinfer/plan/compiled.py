@@ -88,7 +88,7 @@ def compile_layout(cfg: ModelConfig, mesh: MeshConfig, dtype, config: EngineConf
         return collective_report(step_program(engine, shape, ring).as_text())
 
     packer, weights = engine.packer, engine.runner.weights
-    prefill_shape = (packer.max_tokens, min(packer.max_tokens, packer.max_seqs))
+    decode, prefill = decode_shape(engine, decode_seqs), (packer.max_tokens, min(packer.max_tokens, packer.max_seqs))
     return CompiledLayout(max(device_bytes(weights, d) for d in engine.layout.mesh.devices.flat),
-                          engine.kv_bytes_per_token, program(decode_shape(engine, decode_seqs), False),
-                          program(prefill_shape, engine.sp > 1), decode_shape(engine, decode_seqs), prefill_shape)
+                          engine.kv_bytes_per_token, program(decode, False), program(prefill, engine.sp > 1),
+                          decode, prefill)
