@@ -25,7 +25,7 @@ from jaxinfer.mesh import MeshConfig
 from jaxinfer.models import config_from_dict
 from jaxinfer.plan.compiled import decode_shape, layout_engine, step_program
 from jaxinfer.quant import QuantArray
-from jaxinfer.random_model import LLAMA3_8B
+from jaxinfer.random_model import BENCH_MOE_100M, LLAMA3_8B
 
 HLO = """HloModule m
 
@@ -106,6 +106,22 @@ def test_decode_on_an_h100_writes_no_weight_sized_array(h100, cfg, quantization)
         writes = written_arrays(hlo)
         assert max(writes.values()) < smallest, writes.most_common(2)
         assert gemms(hlo)[1] == (0 if quantization is None else 4 * cfg.num_layers)   # qkv, o, gate_up, down
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_quantized_experts_on_an_h100_are_read_as_stored(h100, quantization):
+    """The experts' grouped matmul reads their 1-byte values too: no array as large as one expert's gate/up
+    weight is written per step (dequantized first, every expert was copied in bfloat16 each step)."""
+    moe = dataclasses.replace(config_from_dict({**BENCH_MOE_100M, "hidden_size": 4096, "intermediate_size": 2048,
+                                                "num_attention_heads": 32, "num_key_value_heads": 8}),
+                              num_layers=1)   # attention at 8B's width: its one-row products stay GEMMs
+    engine = layout_engine(moe, MeshConfig(), jnp.bfloat16, EngineConfig(quantization=quantization), 1, h100)
+    gate_up = engine.runner.weights.layers[0].weights.mlp.gate_up.values   # [1, X, E, G, 2M/G]
+    one_expert = math.prod(gate_up.shape[2:]) * gate_up.dtype.itemsize
+    hlo = step_program(engine, decode_shape(engine, 1)).as_text()
+    writes = written_arrays(hlo)
+    assert max(writes.values()) < one_expert, writes.most_common(2)
+    assert gemms(hlo)[1] == 4   # qkv, o, and the experts' gate/up and down
 
 
 def test_the_command_reports_each_variant(capsys):

@@ -54,12 +54,15 @@ def gemm_layouts(weights, layout: Layout):
     arrays or their jax.ShapeDtypeStructs (the engine compiles against those while the weights load); each
     array relaid is freed as soon as its copy exists, so loading never holds two copies of the weights.
     Block-wise scales are left as they are: their GEMM is batched over the contraction's blocks, which a
-    layout of the [K, N] weight cannot make major."""
+    layout of the [K, N] weight cannot make major. So are the experts of an MoE layer (two leading axes,
+    layers and experts, where a dense weight has its layers only): their grouped matmul reads them row-major
+    (jaxinfer.device.moe)."""
     if not has_fp8_gemm(layout):
         return weights
 
     def relayout(w):
-        if not (isinstance(w, QuantArray) and w.values.dtype == jnp.float8_e4m3fn and w.scale.shape[w.lead] == 1):
+        if not (isinstance(w, QuantArray) and w.values.dtype == jnp.float8_e4m3fn and w.scale.shape[w.lead] == 1
+                and w.lead == 1):
             return w
         target = contraction_minor(w)
         if isinstance(w.values, jax.ShapeDtypeStruct):

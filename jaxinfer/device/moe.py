@@ -83,8 +83,24 @@ def moe_reference(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down:
 
 
 def _plain(w: jax.Array | QuantArray, dtype) -> jax.Array:
-    """Quantized experts are dequantized where they are used, on the devices that hold them."""
+    """Quantized experts dequantized (the reference's form)."""
     return w.dequantize(dtype) if isinstance(w, QuantArray) else w
+
+
+def _grouped(xs: jax.Array, w: jax.Array | QuantArray, sizes: jax.Array, expert: jax.Array) -> jax.Array:
+    """xs [n, K] (rows grouped by local expert, `sizes` rows each; `expert` [n] each row's) times the local
+    experts' weights [X, K, *out] -> [n, prod(out)] in xs's dtype, one `lax.ragged_dot`. Experts quantized per
+    channel go in as their values converted to xs's dtype, the product accumulated in float32 and each row
+    scaled by its expert's scales, as jaxinfer.quant.matmul does for a dense weight: dequantized first, they
+    were a full-precision copy of every expert written and read back per step on GPU. Block-wise scales vary
+    along K: those experts are dequantized first."""
+    if not isinstance(w, QuantArray):
+        return lax.ragged_dot(xs, w.reshape(*w.shape[:2], -1), sizes)
+    if w.scale.shape[1] > 1:
+        return lax.ragged_dot(xs, w.dequantize(xs.dtype).reshape(*w.shape[:2], -1), sizes)
+    y = lax.ragged_dot(xs, w.values.astype(xs.dtype).reshape(*w.shape[:2], -1), sizes,
+                       preferred_element_type=jnp.float32)
+    return (y * w.scale.reshape(w.shape[0], -1)[expert]).astype(xs.dtype)
 
 
 def _uint(dtype: jnp.dtype) -> jnp.dtype:
@@ -136,7 +152,6 @@ def moe(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array
         return lax.all_to_all(t, ep_axis, 0, 0, tiled=True) if ep > 1 else t
 
     def local(x, valid, router, w_gate_up, w_down):
-        w_gate_up, w_down = _plain(w_gate_up, x.dtype), _plain(w_down, x.dtype)
         r, n, embed = x.shape
         weights, experts, counts = route(x, router, valid, top_k=top_k, normalize=normalize)
         cap = r * n * top_k  # C: one slot per assignment, to every rank
@@ -154,12 +169,13 @@ def moe(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array
         received, ids = _unpack(a2a(_pack(payload, ids)).reshape(ep * cap, -1), embed, x.dtype)
         by_expert = jnp.argsort(ids, stable=True)
         sizes = (ids[:, None] == jnp.arange(x_local)).sum(0, dtype=jnp.int32)  # empty slots: beyond sum(sizes)
-        xs = received[by_expert]
+        xs, expert = received[by_expert], ids[by_expert]   # expert == x_local: an empty slot
         blocks = w_gate_up.shape[2:]                    # this device's column blocks: [G / tp, 2M/G]
-        fused = lax.ragged_dot(xs, w_gate_up.reshape(*w_gate_up.shape[:2], -1), sizes)  # gate and up at once
+        row_expert = jnp.minimum(expert, x_local - 1)   # empty slots' rows: any expert's scale, zeroed below
+        fused = _grouped(xs, w_gate_up, sizes, row_expert)   # gate and up at once
         gate, up = _gate_and_up(fused.reshape(-1, *blocks), axis=1)
-        out = lax.ragged_dot(jax.nn.silu(gate) * up, w_down, sizes)
-        out = jnp.where((ids[by_expert] < x_local)[:, None], out, 0)
+        out = _grouped(jax.nn.silu(gate) * up, w_down, sizes, row_expert)
+        out = jnp.where((expert < x_local)[:, None], out, 0)
         out = jnp.zeros_like(out).at[by_expert].set(out)  # back to arrival order
         # 5. back to the source slots; 6. weight and sum the k choices; 7. one all-reduce over tp.
         # The unsigned view pins the wire format to x's dtype: for bf16, XLA:CPU would otherwise move the
