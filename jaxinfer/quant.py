@@ -117,12 +117,14 @@ def max_error(w: jax.Array, q: QuantArray) -> jax.Array:
 def matmul(x: jax.Array, w: jax.Array | QuantArray, contract: int = 1) -> jax.Array:
     """x [..., *k] times w [*k, *out] -> [..., *out] in x's dtype; w a plain array or a QuantArray.
 
-    A QuantArray with one scale per output channel goes into the product as its values converted to x's dtype
-    (exact: every int8 and e4m3 value is a bfloat16), the product accumulated in float32 and scaled per output
-    column: XLA:GPU fuses that conversion into the GEMM, which then reads one byte per weight, where a weight
-    dequantized first is written out in full precision and read back on every step (the program compiled for
-    an H100 did so for every weight, `python -m jaxinfer.bench.gpu_compile`). Block-wise scales vary along the
-    contraction, so such a weight is dequantized first. XLA:CPU runs the C++ kernel instead (see
+    A QuantArray's values go into the product converted to x's dtype (exact: every int8 and e4m3 value is a
+    bfloat16), the product accumulated in float32 and then scaled: XLA:GPU fuses that conversion into the GEMM,
+    which then reads one byte per weight, where a weight dequantized first is written out in full precision and
+    read back on every step (the program compiled for an H100 did so for every weight,
+    `python -m jaxinfer.bench.gpu_compile`). One scale per output channel scales the product's columns;
+    block-wise scales vary along the contraction, so each block of it is a product of its own, scaled and
+    summed (`by_blocks`), while those float32 products are fewer bytes than the weight in x's dtype: for a few
+    rows; more rows dequantize the weight first. XLA:CPU runs the C++ kernel instead (see
     jaxinfer.device.layers.StepContext.matmul).
 
     One contraction axis: a 2-D product with w flattened to [K, out] (a free reshape); as an einsum over
@@ -130,10 +132,51 @@ def matmul(x: jax.Array, w: jax.Array | QuantArray, contract: int = 1) -> jax.Ar
     contracted in the weight's own order, which XLA:CPU reads in place."""
     if not isinstance(w, QuantArray):
         return _product(x, w, contract)
-    if w.scale.shape[w.lead] > 1:
+    if w.scale.shape[w.lead] == 1:
+        y = _product(x, w.values.astype(x.dtype), w.contract, jnp.float32)
+        return (y * w.scale.reshape(w.shape[w.contract:])).astype(x.dtype)
+    if not by_blocks(x, w):
         return _product(x, w.dequantize(x.dtype), w.contract)
-    y = _product(x, w.values.astype(x.dtype), w.contract, jnp.float32)
-    return (y * w.scale.reshape(w.shape[w.contract:])).astype(x.dtype)
+    rows, values = _blocks(x, w)
+    y = _block_products(rows.astype(x.dtype), values.astype(x.dtype), w.scale.reshape(rows.shape[1], 1, -1))
+    return _unrows(y, x, w)
+
+
+def by_blocks(x: jax.Array, w: QuantArray) -> bool:
+    """Whether x times a block-wise weight goes block by block: for T rows (at least two) and a [K, N] weight in
+    G blocks, a float32 product [G, T, N] is written and read back (and the values padded to G whole blocks
+    where the last is partial, a 1-byte copy), against the weight dequantized to x's dtype [K, N]: per block
+    for fewer than about block / 2 rows of a 2-byte dtype (block / 4 with the copy)."""
+    rows = max(2, math.prod(x.shape[: x.ndim - w.contract]))
+    blocks, k = w.scale.shape[w.lead], math.prod(w.shape[w.lead: w.lead + w.contract])
+    copy = w.values.dtype.itemsize * k if blocks * w.block != k else 0
+    return 4 * rows * blocks + copy < x.dtype.itemsize * k
+
+
+def _blocks(x: jax.Array, w: QuantArray) -> tuple[jax.Array, jax.Array]:
+    """x as rows [T, blocks, block] (at least two rows: a one-row product is a matrix-vector product, which
+    XLA:GPU turns into a multiply and a reduction over the whole weight, or lays out row-major where the fp8
+    GEMM reads its weight contraction-minor) and the values as [blocks, block, N]; a partial last block reads
+    zeros."""
+    c = w.contract
+    k, n, blocks = math.prod(w.shape[:c]), math.prod(w.shape[c:]), w.scale.shape[0]
+    rows = x.reshape(-1, k)
+    pad = blocks * w.block - k
+    rows = jnp.pad(rows, ((0, max(0, 2 - rows.shape[0])), (0, pad))).reshape(-1, blocks, w.block)
+    return rows, jnp.pad(w.values.reshape(k, n), ((0, pad), (0, 0))).reshape(blocks, w.block, n)
+
+
+def _block_products(rows: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
+    """rows [T, blocks, block] times values [blocks, block, N], one product per block accumulated in float32,
+    each times its scale [blocks, T or 1, N], summed over the blocks -> [T, N] float32."""
+    y = jax.lax.dot_general(rows, values, (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.float32)
+    return (y * scale).sum(0)
+
+
+def _unrows(y: jax.Array, x: jax.Array, w: QuantArray) -> jax.Array:
+    """[T (padded), N] float32 -> [..., *out] in x's dtype."""
+    t = math.prod(x.shape[: x.ndim - w.contract])
+    return y[:t].astype(x.dtype).reshape(*x.shape[: x.ndim - w.contract], *w.shape[w.contract:])
 
 
 def _product(x: jax.Array, w: jax.Array, contract: int, out_dtype=None) -> jax.Array:
@@ -145,33 +188,30 @@ def _product(x: jax.Array, w: jax.Array, contract: int, out_dtype=None) -> jax.A
 
 
 def fp8_matmul(x: jax.Array, w: QuantArray) -> jax.Array:
-    """x [..., *k] times an fp8 weight as one fp8 GEMM (Hopper's tensor cores; XLA rewrites the float8 dot
-    with its scales into a cuBLASLt fp8 matmul): the activations quantized on the fly to float8_e4m3fn with
-    one scale per token and block of the weight's contraction blocks (dynamic per-token activations, the
+    """x [..., *k] times an fp8 weight as fp8 GEMMs (Hopper's tensor cores; XLA rewrites the float8 dot with
+    its scales into a cuBLASLt or Triton fp8 matmul): the activations quantized on the fly to float8_e4m3fn
+    with one scale per token and block of the weight's contraction blocks (dynamic per-token activations, the
     scheme compressed-tensors and DeepSeek's FP8 checkpoints declare), each block's products accumulated in
-    float32 and scaled by both scales. -> [..., *out] in x's dtype."""
-    c, a = w.contract, w.lead
-    if a:
-        raise ValueError(f"fp8_matmul takes one weight [*contract, *out], not a stack of {w.shape[:a]}")
-    out_shape = w.shape[c:]
-    k, n = math.prod(w.shape[:c]), math.prod(out_shape)
+    float32 and scaled by both scales. -> [..., *out] in x's dtype. A block-wise weight is multiplied so
+    while its float32 products per block are the fewer bytes (`by_blocks`); for more rows it is dequantized
+    and multiplied in x's dtype (`matmul`)."""
+    if w.lead:
+        raise ValueError(f"fp8_matmul takes one weight [*contract, *out], not a stack of {w.shape[:w.lead]}")
     blocks = w.scale.shape[0]
-    rows = x.reshape(-1, k)
-    t = rows.shape[0]   # one row is a matrix-vector product, which XLA lays out row-major, transposing the
-    rows = jnp.pad(rows, ((0, max(0, 2 - t)), (0, 0)))   # contraction-minor weight (jax 0.11.2): two rows, a GEMM
-    pad = blocks * w.block - k                                  # a partial last block reads zeros
-    xb = jnp.pad(rows, ((0, 0), (0, pad))).reshape(-1, blocks, w.block).astype(jnp.float32)
+    if blocks > 1 and not by_blocks(x, w):
+        return matmul(x, w, w.contract)
+    rows, values = _blocks(x, w)
+    xb = rows.astype(jnp.float32)
     xs = jnp.max(jnp.abs(xb), axis=-1, keepdims=True) / QMAX["fp8"]
     xs = jnp.where(xs > 0, xs, 1.0)
     xq = (xb / xs).astype(jnp.float8_e4m3fn)                    # [T, blocks, block]
-    wq = jnp.pad(w.values.reshape(k, n), ((0, pad), (0, 0))).reshape(blocks, w.block, n)
+    scale = w.scale.reshape(blocks, 1, -1)
     if blocks == 1:   # per-channel: one plain fp8 GEMM
-        y = jax.lax.dot_general(xq[:, 0], wq[0], (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        y = y * xs[:, 0] * w.scale.reshape(1, n)
+        y = jax.lax.dot_general(xq[:, 0], values[0], (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        y = y * xs[:, 0] * scale[0]
     else:             # block-wise: one GEMM per contraction block, batched, then scaled and summed
-        y = jax.lax.dot_general(xq, wq, (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.float32)
-        y = (y * xs.transpose(1, 0, 2) * w.scale.reshape(blocks, 1, n)).sum(0)  # [blocks, T, N] -> [T, N]
-    return y[:t].astype(x.dtype).reshape(*x.shape[: x.ndim - c], *out_shape)
+        y = _block_products(xq, values, xs.transpose(1, 0, 2) * scale)
+    return _unrows(y, x, w)
 
 
 def weight_quantization(weights) -> str | None:

@@ -188,3 +188,19 @@ def test_bench_sequence_json(capsys, random_checkpoint):
     (compiled,) = r["prefill"]
     assert r["decode"] == [] and "seconds" not in compiled
     assert (compiled["temp_bytes"], compiled["collectives"]) == (two["temp_bytes"], two["collectives"])
+
+
+def test_moe_decode_reads_the_experts_of_its_rows():
+    """W of an MoE decode step: with fewer rows than experts (1 sequence, top-2 of 4) each row reads its own
+    expert, so half of each layer's experts; with as many (2 sequences) all of them."""
+    from jaxinfer import LLM
+
+    llm = LLM.random(TINY_MOE, dtype="float32", num_pages=8)
+    try:
+        cfg = llm.config
+        experts = 4 * cfg.num_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+        total = bench.weight_bytes_read(llm)
+        assert bench.weight_bytes_read(llm, 2) == total
+        assert bench.weight_bytes_read(llm, 1) == total - experts // 2
+    finally:
+        llm.close()

@@ -90,7 +90,8 @@ def test_decode_figures(dry_run):
                                                                               for f in MATMULS]
     assert all(m["us"] > 0 and m["gbps"] > 0 for m in d["matmuls"])
     # XLA:CPU's dot reads its weight row-major: the weight laid out for the GPU's fp8 GEMM is copied back first
-    assert [m["weight_copies"] for m in d["matmuls"]] == [0, 0, 1, 0, 0] * len(rows)
+    # (the block-wise kernel, interpreted off a GPU, copies its operands: not counted)
+    assert [m["weight_copies"] for m in d["matmuls"] if m["form"] != MATMULS[6]] == [0, 0, 1, 0, 0, 0] * len(rows)
     # int8 weights dequantized by XLA:CPU: read where they lie, neither transposed nor copied
     assert [x["one_byte_copies"] for x in d["results"] if "+" in x["backend"]] == [{"count": 0, "bytes": 0}]
     a = d["agreement"]

@@ -13,6 +13,7 @@ from jaxinfer import sharding
 from jaxinfer.collectives import collective_report
 from jaxinfer.device.moe import moe, moe_reference
 from jaxinfer.mesh import MeshConfig
+from jaxinfer.quant import QuantArray
 from jaxinfer.sharding import Layout
 
 RULES = tuple(dict(sharding.RULES, batch=("dp", "ep"), experts="ep").items())
@@ -188,6 +189,43 @@ def test_compiled_collectives(mesh, dtype):
     assert report["collective-permute"]["count"] == 0 and report["reduce-scatter"]["count"] == 0
     all_reduce = {"count": 1, "bytes": N * e * b} if mesh.tp > 1 else {"count": 0, "bytes": 0}
     assert report["all-reduce"] == all_reduce  # one [n, E] all-reduce over tp, like a dense MLP
+
+
+@pytest.mark.parametrize("mesh,block,top_k", [
+    (MeshConfig(tp=2), 12, 12),  # 96 rows for 16 experts: one ragged_dot, dequantized; down's 24 rows split at 12
+    (MeshConfig(tp=2), 12, 2),   # 16 rows: each row its own expert, its own device's blocks of down
+    (MeshConfig(tp=2), 16, 1),   # down's 24 rows split inside a block: dequantized on each device
+    (MeshConfig(), 8, 1),        # one device, whole blocks
+], ids=str)
+def test_block_quantized_experts_match_the_reference(mesh, block, top_k):
+    """Experts with int8 values and one scale per `block` rows of each contraction (gate/up's 16 rows in
+    blocks of 12: a partial last block): each device takes its own rows' scales, in the grouped product or
+    in each row's own expert's, and the output is the reference's on the dequantized weights, to float32's
+    rounding."""
+    x_, e, m = 16, 16, 24
+    x, router, *_, valid = make_inputs(mesh.ep, e, m, x_, seed=block)
+    rng = np.random.default_rng(block)
+    values = [jnp.asarray(rng.integers(-127, 128, size=shape), jnp.int8)
+              for shape in ((x_, e, m), (x_, e, m), (x_, m, e))]
+    scales = [jnp.asarray(rng.uniform(0.2, 1, size=(x_, -(-v.shape[1] // block), v.shape[2])), jnp.float32)
+              / (127 * v.shape[1] ** 0.5) for v in values]
+    _, _, gu_values, down_values, _ = fused((x, router, *values, valid), mesh.tp)
+    _, _, gu_scale, down_scale, _ = fused((x, router, *scales, valid), mesh.tp)
+    gate_up = QuantArray(gu_values, gu_scale, out=2, block=block, axes=("embed", "mlp", None))
+    down = QuantArray(down_values, down_scale, out=1, block=block, axes=("mlp", "embed"))
+    layout = layout_for(mesh)
+    place = lambda a, axes: jax.device_put(a, layout.sharding(axes))  # noqa: E731
+    placed = (place(x, ("batch", "seq", "embed")), jax.device_put(router, NamedSharding(layout.mesh, P())),
+              gate_up.replace(values=place(gate_up.values, ("experts", "embed", "mlp", None)),
+                              scale=place(gate_up.scale, ("experts", None, "mlp", None))),
+              down.replace(values=place(down.values, ("experts", "mlp", "embed")),
+                           scale=place(down.scale, ("experts", None, "embed"))),
+              place(valid, ("batch", "seq")))
+    y, _ = jax.jit(lambda *a: moe(*a, top_k=top_k, normalize=True, layout=layout))(*placed)
+    gate, up, w_down = (v.astype(jnp.float32) * jnp.repeat(s, block, axis=1)[:, : v.shape[1]]
+                        for v, s in zip(values, scales, strict=True))
+    y_ref, _ = moe_reference(*fused((x, router, gate, up, w_down, valid), 1), top_k=top_k, normalize=True)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=1e-5, rtol=0)
 
 
 def test_moe_refuses_experts_not_divisible_by_ep():

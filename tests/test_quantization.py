@@ -31,7 +31,7 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.bench.quant import one_byte_copies
 from jaxinfer.checkpoint import CheckpointError
 from jaxinfer.device.matmul import contraction_minor
-from jaxinfer.quant import QMAX, QuantArray, fp8_matmul, matmul, max_error, quantize
+from jaxinfer.quant import QMAX, QuantArray, by_blocks, fp8_matmul, matmul, max_error, quantize
 
 sys.path.insert(0, str(Path(__file__).parent))
 from quantized_checkpoints import write  # noqa: E402
@@ -78,6 +78,13 @@ def test_block_scales_cover_partial_blocks():
     q = QuantArray(values, scale, out=1, block=48)
     expected = np.asarray(values, np.float32) * np.repeat(np.asarray(scale), 48, axis=0)[:100]
     np.testing.assert_array_equal(q.dequantize(), expected)
+    # matmul: block by block for 3 rows (a float32 product per block, scaled, summed), dequantized first for
+    # 300; either way the product with the dequantized weight, to float32's rounding
+    for rows in (3, 300):
+        x = jax.random.normal(jax.random.key(rows), (rows, 100))
+        assert by_blocks(x, q) == (rows == 3)
+        bound = 2 * 100 * 2.0 ** -24 * (np.abs(x) @ np.abs(expected))
+        assert np.all(np.abs(matmul(x, q) - np.asarray(x) @ expected) <= bound)
 
 
 @pytest.mark.parametrize("name", DENSE + MOE)
@@ -228,7 +235,7 @@ def test_fp8_gemm_cross_lowers_for_hopper():
     (XLA rewrites it to a cuBLASLt fp8 GEMM); each activation moves by at most 2^-4 of itself, so each output
     by at most 2^-4 of sum_k |x_k w_kj| (plus e4m3's subnormal floor)."""
     w = jax.random.normal(jax.random.key(0), (100, 3, 8))
-    x = jax.random.normal(jax.random.key(1), (2, 5, 100))
+    x = jax.random.normal(jax.random.key(1), (1, 2, 100))   # few rows: block-wise too by blocks (`by_blocks`)
     for q in (quantize(w, "fp8", contract=1, out=2),                   # per channel, and in blocks of 48 rows
               QuantArray(quantize(w, "fp8", contract=1, out=2).values, jax.random.uniform(jax.random.key(2), (3, 3, 8)),
                          out=2, block=48)):

@@ -83,8 +83,10 @@ Mixture-of-experts models (--preset moe, or any --model whose config has experts
   for the expert id. At ep=1 the experts are local: no all-to-all, measured 0.
 - Expert load imbalance: max / mean tokens per expert, per MoE layer, over the measured run (the
   difference of llm.engine.expert_load totals, read through ExpertLoad.report()); 1.0 is perfect balance.
-- MBU: W counts every expert's weights, since XLA:CPU lowers ragged_dot to a dense dot over all local
-  experts (and at batch 8, top-2 of 8 experts, most experts are hit each step anyway).
+- MBU: W counts the experts a decode step reads: with fewer rows per device (assignments, padded slots
+  included) than local experts each row reads its own expert's weights (jaxinfer.device.moe), so a share
+  rows / experts of them; with more, one grouped product over every local expert (XLA:CPU lowers ragged_dot
+  to a dense dot over all of them).
 """
 
 from __future__ import annotations
@@ -115,7 +117,8 @@ PRESETS = {  # --preset: (name of the random checkpoint in the cache, name of th
 A2A_FORMULA = ("all-to-all bytes per token per MoE layer = all-to-all bytes per device * devices / real tokens of "
                "the step / MoE layers; analytical = top_k*hidden*dtype_bytes*2 (dispatch + combine)")
 MBU_FORMULA = ("MBU = (W + K) * decode_steps / decode_seconds / bandwidth; W = parameter-shard bytes summed "
-               "over devices; K = layers*batch*2*kv_heads*head_dim*dtype_bytes*(prompt_len + (decode_steps+1)/2)")
+               "over devices (of an MoE layer's experts, the share rows/experts where a step has fewer rows "
+               "than experts); K = layers*batch*2*kv_heads*head_dim*dtype_bytes*(prompt_len + (decode_steps+1)/2)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -186,11 +189,27 @@ def device_bandwidth(device=None, mib: int = 2048, repeats: int = 10) -> dict:
     return {**figures, "gbps": max(figures.values()), "buffer_mib": mib, "device_kind": device.device_kind}
 
 
-def weight_bytes_read(llm) -> int:
-    """W: bytes of every parameter shard on every device (a replicated weight counts once per copy)."""
+def weight_bytes_read(llm, batch: int | None = None) -> int:
+    """W: bytes of every parameter shard on every device (a replicated weight counts once per copy); for a
+    decode step of `batch` sequences, only the share of each MoE layer's experts its rows read (module
+    docstring)."""
+    import jax
+
     from jaxinfer.sharding import device_bytes
 
-    return sum(device_bytes(llm.weights, d) for d in llm.layout.mesh.devices.flat)
+    devices = list(llm.layout.mesh.devices.flat)
+    total = sum(device_bytes(llm.weights, d) for d in devices)
+    if batch is None or not llm.config.num_experts:
+        return total
+    ep = llm.layout.axis_size("experts")
+    rows = ep * -(-batch // llm.layout.axis_size("batch")) * llm.config.experts_per_token
+    local = llm.config.num_experts // ep
+    if rows >= local:
+        return total
+    experts = [(n.gate_up, n.down) for n in jax.tree.leaves(llm.weights, is_leaf=lambda n: hasattr(n, "router"))
+               if hasattr(n, "router")]
+    unread = sum(device_bytes(experts, d) for d in devices) * (1 - rows / local)
+    return round(total - unread)
 
 
 def kv_bytes_read(llm, batch: int, avg_context: float) -> float:
@@ -231,7 +250,7 @@ def bench_batch(llm, batch: int, prompt_len: int, max_tokens: int, seed: int, ba
     _, s, steps, outs, load = max(runs, key=lambda run: run[0])
     ops = profile_ops(llm, prompts, params, Path(profile) / f"batch{batch}") if profile else None
     avg_context = prompt_len + (s.decode_steps + 1) / 2
-    w, k = weight_bytes_read(llm), kv_bytes_read(llm, batch, avg_context)
+    w, k = weight_bytes_read(llm, batch), kv_bytes_read(llm, batch, avg_context)
     steps_per_s = s.decode_steps / s.decode_seconds if s.decode_seconds else 0.0
     report = llm.collective_report()
     decode_tps = s.decode_tokens / s.decode_seconds if s.decode_seconds else 0.0

@@ -5,13 +5,15 @@ Parts, in this order, each with a time budget (an unused budget passes to the ne
 fits is skipped with a note; both files are rewritten after every measured item, so a run cut short still
 leaves what it measured, with "finished": false):
 
-1. kernel_tests: tests/test_ragged_paged_attention.py, test_rope_cache.py and test_block_attention.py under
-   pytest in a child process with JAX_PLATFORMS=cuda, so the Pallas kernels compile through Triton and run
-   on the GPU (on CPU the same tests run them in interpret mode; float32 dots in full precision either way,
-   not TF32); pass / fail / error / skip counts and the failures. It runs before this process touches the GPU.
+1. kernel_tests: tests/test_ragged_paged_attention.py, test_rope_cache.py, test_block_attention.py and
+   test_block_matmul.py under pytest in a child process with JAX_PLATFORMS=cuda, so the Pallas kernels
+   compile through Triton and run on the GPU (on CPU the same tests run them in interpret mode; float32 dots
+   in full precision either way, not TF32); pass / fail / error / skip counts and the failures. It runs
+   before this process touches the GPU.
 2. decode: first one 4096 x 28672 weight's matmul alone at 1 and 32 rows in each form the engine may run it
    (jaxinfer.bench.quant.weight_matmuls: bfloat16, the fp8 GEMM on the weight stored row-major and
-   contraction-minor, int8 dequantize-then-matmul and int8 matmul-then-scale): time, GB/s, and the
+   contraction-minor, int8 dequantize-then-matmul and int8 matmul-then-scale, fp8 in blocks of 128 by XLA's
+   products per block and by the Pallas kernel): time, GB/s, and the
    weight-sized transposes and copies XLA put in the program. Then a Llama-3-8B-shaped model
    (random_model.LLAMA3_8B: hidden 4096, 32 layers, 32 heads, 8 KV heads, MLP 14336, vocabulary 128256) with
    random bfloat16 weights drawn on the device (LLM.random: nothing is written to disk), one engine per
@@ -80,7 +82,8 @@ from typing import Any
 from jaxinfer.random_model import DEFAULT, LLAMA3_8B
 
 REPO = Path(__file__).resolve().parents[2]
-KERNEL_TESTS = ("tests/test_ragged_paged_attention.py", "tests/test_rope_cache.py", "tests/test_block_attention.py")
+KERNEL_TESTS = ("tests/test_ragged_paged_attention.py", "tests/test_rope_cache.py", "tests/test_block_attention.py",
+                "tests/test_block_matmul.py")
 HTTP_PACKAGES = ("fastapi", "uvicorn", "httpx")    # bench_serving --http / --url only
 OTHER_PACKAGES = ("tqdm", "pytest")
 SPEC_GBPS = {"H200": 4800.0, "H100": 3350.0}      # vendors' datasheets (SXM), for reference only

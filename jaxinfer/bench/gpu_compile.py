@@ -39,6 +39,12 @@ def gemms(hlo: str) -> tuple[int, int]:
     return total, one_byte
 
 
+def stored_name(stored) -> str:
+    """A checkpoint's stored scheme in a few words: "fp8 128x128 blocks", "int8 per channel"."""
+    per = f"{stored.rows}x{stored.cols} blocks" if stored.cols else "per channel" if stored.rows else "per tensor"
+    return f"{stored.qtype} {per}"
+
+
 def run(args: argparse.Namespace) -> dict:
     import jax.numpy as jnp
 
@@ -47,15 +53,18 @@ def run(args: argparse.Namespace) -> dict:
     from jaxinfer.device.gpu_target import TARGETS, compile_only_gpus
     from jaxinfer.mesh import MeshConfig
     from jaxinfer.models import config_from_dict
-    from jaxinfer.plan.__main__ import model_config
+    from jaxinfer.plan.__main__ import config_json
     from jaxinfer.plan.compiled import decode_shape, layout_engine, step_program
+    from jaxinfer.quant_formats import stored_quantization
     from jaxinfer.random_model import LLAMA3_8B
     from jaxinfer.sharding import device_bytes
 
-    if args.model is None:
-        cfg, name = config_from_dict(dict(LLAMA3_8B)), "Llama-3-8B shape"
-    else:
-        cfg, name = model_config(args.model)
+    config = dict(LLAMA3_8B) if args.model is None else config_json(args.model)
+    cfg, name = config_from_dict(config), args.model or "Llama-3-8B shape"
+    stored = stored_quantization(config)
+    variants = [stored_name(stored)] if stored else args.quantization or list(VARIANTS)
+    if stored and args.quantization:
+        raise ValueError(f"{args.model} is stored quantized ({variants[0]}): leave --quantization out")
     if args.layers:
         cfg = dataclasses.replace(cfg, num_layers=args.layers)
     mesh = MeshConfig.parse(args.mesh)
@@ -63,10 +72,10 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("--mesh with pp: a pipeline's carry is allocated, which compile-only devices cannot hold")
     devices = compile_only_gpus(args.gpu, mesh.size)
     rows = []
-    for quantization in args.quantization:
-        config = EngineConfig(quantization=None if quantization == "none" else quantization,
+    for quantization in variants:
+        config = EngineConfig(quantization=None if stored or quantization == "none" else quantization,
                               attention_backend=args.attention_backend)
-        engine = layout_engine(cfg, mesh, jnp.bfloat16, config, max(args.batch), devices)
+        engine = layout_engine(cfg, mesh, jnp.bfloat16, config, max(args.batch), devices, stored)
         weights = max(device_bytes(engine.runner.weights, d) for d in devices)
         for batch in args.batch:
             t0 = time.perf_counter()
@@ -82,13 +91,14 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def readable(r: dict) -> str:
+    w = max(7, *(len(x["quantization"]) for x in r["rows"]))
     lines = [f"{r['model']} ({r['layers']} layers), decode step compiled for {r['gpu']} on mesh {r['mesh']} "
              f"({r['attention_backend']} attention); written: bytes per step besides reading the weights once",
-             f"{'weights':<8} {'batch':>5} {'GiB/device':>10} {'written MiB':>11} {'x weights':>9} {'GEMMs':>6} "
+             f"{'weights':<{w}} {'batch':>5} {'GiB/device':>10} {'written MiB':>11} {'x weights':>9} {'GEMMs':>6} "
              f"{'1-byte':>6}  largest writes"]
     for x in r["rows"]:
         big = ", ".join(f"{shape} {n / 2**20:.0f} MiB" for _, shape, n in x["largest_writes"][:2]) or "-"
-        lines.append(f"{x['quantization']:<8} {x['batch']:>5} {x['weight_bytes_per_device'] / 2**30:>10.2f} "
+        lines.append(f"{x['quantization']:<{w}} {x['batch']:>5} {x['weight_bytes_per_device'] / 2**30:>10.2f} "
                      f"{x['written_bytes'] / 2**20:>11.1f} {x['written_bytes'] / x['weight_bytes_per_device']:>9.3f} "
                      f"{x['gemms']:>6} {x['one_byte_gemms']:>6}  {big}")
     return "\n".join(lines)
@@ -97,9 +107,11 @@ def readable(r: dict) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jaxinfer.bench.gpu_compile", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="checkpoint directory or config.json (default: Llama-3-8B's shape)")
-    p.add_argument("--gpu", default="H100", choices=["H100", "H200"])
+    p.add_argument("--gpu", default="H100", choices=["H100", "H200", "A100"])
     p.add_argument("--mesh", default="", help='e.g. "tp=8" (that many GPUs of one host; no pp)')
-    p.add_argument("--quantization", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--quantization", nargs="+", choices=VARIANTS,
+                   help="weights quantized as they load (default: all three); a checkpoint stored quantized runs as "
+                        "stored")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32], help="sequences per decode step")
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the model's, to compile faster")
     p.add_argument("--attention-backend", default="pallas", choices=["pallas", "xla"])

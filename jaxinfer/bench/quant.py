@@ -14,6 +14,7 @@ and max; MaxText's logit checker gates on a max of 0.02), the largest logit erro
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import math
 import re
@@ -87,7 +88,8 @@ def run(args: argparse.Namespace) -> dict:
 
 
 MATMULS = ("plain", "fp8 gemm, row-major", "fp8 gemm, contraction-minor", "int8, dequantize then matmul",
-           "int8, matmul then scale (the engine's)")
+           "int8, matmul then scale (the engine's)", "fp8 in blocks, products per block",
+           "fp8 in blocks, Pallas kernel (the engine's)")
 COPY = re.compile(r"= (\w+)\[([\d,]*)\]\{[^}]*\} (?:transpose|copy)\(")
 
 
@@ -108,7 +110,10 @@ def weight_matmuls(k: int, n: int, rows: int, dtype: str, reps: int = 50) -> lis
     run it (MATMULS: the plain weight in `dtype`; jaxinfer.quant.fp8_matmul on the fp8 weight stored row-major
     and stored as jaxinfer.device.matmul.gemm_layouts stores it; the int8 weight dequantized, then multiplied;
     and jaxinfer.quant.matmul on it: its values converted to `dtype` in the matmul and the per-channel scale
-    applied to the product, which XLA:GPU fuses into one GEMM reading one byte per weight):
+    applied to the product, which XLA:GPU fuses into one GEMM reading one byte per weight; the fp8 weight with
+    one scale per block of 128 rows (of K, where K is smaller) and column, as DeepSeek-style checkpoints store
+    it, by jaxinfer.quant.matmul's products per block and by the Pallas kernel, with fp8 activations where the
+    GPU has fp8 tensor cores (jaxinfer.pallas_kernels.block_matmul; interpreted off a GPU)):
     us per matmul, the weight's bytes over that time (GB/s), and how many weight-sized transposes and copies
     the compiled program holds (what XLA adds around the GEMM). `reps` matmuls run in one call, each on the
     previous one's output, so neither the host's dispatch nor a hoisted loop-invariant product is measured."""
@@ -116,17 +121,25 @@ def weight_matmuls(k: int, n: int, rows: int, dtype: str, reps: int = 50) -> lis
     import jax.numpy as jnp
 
     from jaxinfer.device.matmul import contraction_minor
+    from jaxinfer.pallas_kernels.block_matmul import block_matmul
     from jaxinfer.quant import fp8_matmul, matmul, quantize
 
     kw, kx = jax.random.split(jax.random.key(0))
     w = jax.random.normal(kw, (k, n), jnp.float32) / k ** 0.5
     x = jax.random.normal(kx, (rows, k), dtype)
     fp8, int8 = quantize(w, "fp8", contract=1, out=1), quantize(w, "int8", contract=1, out=1)
+    block = 128 if k % 128 == 0 else k
+    blocks = fp8.replace(scale=jnp.broadcast_to(fp8.scale, (k // block, n)), block=block)
+    device = jax.devices()[0]
+    kernel = functools.partial(block_matmul, block=block, interpret=device.platform != "gpu",
+                               fp8_activations=float(getattr(device, "compute_capability", 0) or 0) >= 9.0)
     forms = {MATMULS[0]: (lambda x, w: x @ w, w.astype(dtype)),
              MATMULS[1]: (fp8_matmul, fp8),
              MATMULS[2]: (fp8_matmul, fp8.replace(values=jax.device_put(fp8.values, contraction_minor(fp8)))),
              MATMULS[3]: (lambda x, q: x @ q.dequantize(x.dtype), int8),
-             MATMULS[4]: (matmul, int8)}
+             MATMULS[4]: (matmul, int8),
+             MATMULS[5]: (matmul, blocks),
+             MATMULS[6]: (lambda x, q: kernel(x, q.values, q.scale), blocks)}
     out = []
     for name, (mm, weight) in forms.items():
         def chain(x, weight, mm=mm):

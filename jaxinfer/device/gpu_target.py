@@ -29,15 +29,17 @@ class GpuTarget:
     l2_bytes: int
     clock_ghz: float
     compute_capability: tuple[int, int] = (9, 0)
+    shared_memory_per_core: int = 233472    # bytes per SM (Hopper's 228 KiB; Ampere's A100 164 KiB)
+    shared_memory_per_block_optin: int = 232448
 
     def config(self) -> str:
-        """The target as XLA's GpuTargetConfig text proto (Hopper's limits per block and per SM)."""
+        """The target as XLA's GpuTargetConfig text proto."""
         major, minor = self.compute_capability
         return f"""gpu_device_info {{
   threads_per_block_limit: 1024
   threads_per_warp: 32
   shared_memory_per_block: 49152
-  shared_memory_per_core: 233472
+  shared_memory_per_core: {self.shared_memory_per_core}
   threads_per_core_limit: 2048
   core_count: {self.core_count}
   fpus_per_core: 128
@@ -48,7 +50,7 @@ class GpuTarget:
   l2_cache_size: {self.l2_bytes}
   clock_rate_ghz: {self.clock_ghz}
   device_memory_size: {self.memory_bytes}
-  shared_memory_per_block_optin: 232448
+  shared_memory_per_block_optin: {self.shared_memory_per_block_optin}
   cuda_compute_capability {{ major: {major} minor: {minor} }}
   registers_per_core_limit: 65536
   registers_per_block_limit: 65536
@@ -63,6 +65,7 @@ device_description_str: "{self.name}"
 TARGETS = {
     "H100": GpuTarget("NVIDIA H100 80GB HBM3", 132, 80 << 30, 3.35e12, 50 << 20, 1.98),
     "H200": GpuTarget("NVIDIA H200", 132, 141 << 30, 4.8e12, 50 << 20, 1.98),
+    "A100": GpuTarget("NVIDIA A100-SXM4-80GB", 108, 80 << 30, 2.039e12, 40 << 20, 1.41, (8, 0), 167936, 166912),
 }
 
 

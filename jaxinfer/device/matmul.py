@@ -4,16 +4,28 @@
   shard_map: XLA:CPU would otherwise write a dequantized copy of every weight on every step, so int8 would
   read more bytes than float32, not fewer. A weight whose contraction is split (the row-parallel o and
   down under tp) ends in the same all-reduce over tp that the compiler emits for a plain one.
+- GPUs, block-wise weights (scales per block of the contraction): the Pallas kernel
+  (jaxinfer.pallas_kernels.block_matmul), one call per device inside a shard_map like the CPU's, which scales
+  each block's product as it accumulates (XLA writes every block's float32 product and reads it back); fp8
+  ones with fp8 activations where the GPU has fp8 tensor cores. Shapes it does not tile (a block that is not
+  a power of two, a partial last block) take the paths below.
 - GPUs with fp8 tensor cores (compute capability 9.0, Hopper, and later), whatever the attention backend: fp8
-  weights as one fp8 GEMM (jaxinfer.quant.fp8_matmul), their values stored contraction-minor for it
+  weights as fp8 GEMMs (jaxinfer.quant.fp8_matmul), their values stored contraction-minor for them
   (`gemm_layouts`).
-- Any other weight and device: dequantize, then the plain matmul (jaxinfer.quant.matmul), which XLA fuses on
-  GPU.
+- GPUs without: fp8 weights dequantized, then the plain matmul. Their Triton GEMMs cannot convert float8
+  (XLA writes a bfloat16 copy of the weight first, so a block-wise weight's products per block would only
+  add their own bytes to that copy's).
+- Any other weight and device: jaxinfer.quant.matmul, whose conversion to the activations' dtype XLA:GPU
+  fuses into the GEMM.
+- On every backend, a block-wise weight whose contraction is split over devices at a row that is not a block
+  boundary (a down projection of 11008 rows in blocks of 128 over tp=8) is dequantized first.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +33,7 @@ from jax.experimental.layout import Format
 from jax.experimental.layout import Layout as DeviceLayout
 
 from jaxinfer.device import quant_matmul_cpu
+from jaxinfer.pallas_kernels import block_matmul
 from jaxinfer.quant import QuantArray, fp8_matmul, matmul
 from jaxinfer.sharding import Layout
 
@@ -28,12 +41,29 @@ ROWS = ("batch", "seq")   # the activations' leading axes: [replicas, tokens per
 
 
 def model_matmul(x: jax.Array, w: jax.Array | QuantArray, contract: int, layout: Layout, backend: str) -> jax.Array:
-    """x [R, N, *k] times w [*k, *out] -> [R, N, *out] in x's dtype, with `backend`'s kernel where one applies."""
+    """x [R, N, *k] times w [*k, *out] -> [R, N, *out] in x's dtype, with `backend`'s kernel where one applies.
+
+    One row per GPU is given a second (zeros): XLA:GPU turns a matrix-vector product with a weight under 10M
+    elements (`dot-strength-reduction`) into a multiply and a reduction, and wrote the whole product out
+    between them (a [4096, 768] q/k/v weight's at tp=8: 201 MiB a step of an 8B model); two rows are a GEMM."""
+    if layout.platform == "gpu" and _rows_per_device(x, layout) == 1:
+        n = x.shape[1]
+        wide = jnp.pad(x, ((0, 0), (0, n)) + ((0, 0),) * (x.ndim - 2))
+        return model_matmul(wide, w, contract, layout, backend)[:, :n]
     if isinstance(w, QuantArray) and w.axes:
-        if backend == "cpu" and quant_matmul_cpu.available() and _cpu_takes(w, layout):
-            return _cpu_matmul(x, w, layout)
-        if w.values.dtype == jnp.float8_e4m3fn and has_fp8_gemm(layout):
-            return fp8_matmul(x, w)
+        if not _blocks_align(w, layout):
+            return matmul(x, w.dequantize(x.dtype), contract)
+        if backend == "cpu" and quant_matmul_cpu.available():
+            return _per_device(x, w, layout, quant_matmul_cpu.quantized_matmul)
+        fp8 = w.values.dtype == jnp.float8_e4m3fn
+        if (layout.platform == "gpu" and w.scale.shape[0] > 1 and (has_fp8_gemm(layout) or not fp8)
+                and block_matmul.fits(*_device_shape(w, layout), w.block)):
+            return _per_device(x, w, layout, functools.partial(block_matmul.block_matmul, fp8_activations=fp8))
+        if fp8:
+            if has_fp8_gemm(layout):
+                return fp8_matmul(x, w)
+            if layout.platform == "gpu":
+                return matmul(x, w.dequantize(x.dtype), contract)
     return matmul(x, w, contract)
 
 
@@ -46,17 +76,17 @@ def has_fp8_gemm(layout: Layout) -> bool:
 
 def gemm_layouts(weights, layout: Layout):
     """The weights laid out in device memory as the fp8 GEMM reads them: where the devices have one, each fp8
-    weight with one scale per output channel gets its values stored with the contraction axes minor. cuBLASLt's
-    fp8 GEMM takes its second operand column-major only, so for a [K, N] weight stored row-major XLA's GEMM
-    rewriter inserts a transpose before every GEMM: the whole weight read and written once more per step,
-    three bytes moved per weight where bfloat16 moves two. Only the physical layout changes (shape, sharding
-    and values are the same), and the step programs compile for the layout their arguments have. Takes the
-    arrays or their jax.ShapeDtypeStructs (the engine compiles against those while the weights load); each
-    array relaid is freed as soon as its copy exists, so loading never holds two copies of the weights.
-    Block-wise scales are left as they are: their GEMM is batched over the contraction's blocks, which a
-    layout of the [K, N] weight cannot make major. So are the experts of an MoE layer (two leading axes,
-    layers and experts, where a dense weight has its layers only): their grouped matmul reads them row-major
-    (jaxinfer.device.moe)."""
+    weight with one scale per output channel gets its values stored with the contraction axes minor
+    (`contraction_minor`). Hopper's fp8 GEMMs take
+    their second operand contraction-minor only, so for a [K, N] weight stored row-major XLA inserts a
+    transpose before every GEMM: the whole weight read and written once more per step, three bytes moved per
+    weight where bfloat16 moves two. Only the physical layout changes (shape, sharding and values are the
+    same), and the step programs compile for the layout their arguments have. Takes the arrays or their
+    jax.ShapeDtypeStructs (the engine compiles against those while the weights load); each array relaid is
+    freed as soon as its copy exists, so loading never holds two copies of the weights.
+    Block-wise weights stay row-major, as the Pallas kernel reads them; so do the experts of an MoE layer (two
+    leading axes, layers and experts, where a dense weight has its layers only): their grouped matmul reads
+    them row-major (jaxinfer.device.moe)."""
     if not has_fp8_gemm(layout):
         return weights
 
@@ -83,16 +113,35 @@ def contraction_minor(w: QuantArray) -> Format:
     return Format(DeviceLayout(major_to_minor=order), w.values.sharding)
 
 
-def _cpu_takes(w: QuantArray, layout: Layout) -> bool:
-    """Block-wise scales need the blocks of a split contraction to start where a device's rows start."""
+def _rows_per_device(x: jax.Array, layout: Layout) -> int:
+    return x.shape[0] * x.shape[1] // _shards(ROWS, layout)
+
+
+def _device_shape(w: QuantArray, layout: Layout) -> tuple[int, int]:
+    """(K, N) of one device's shard of w."""
+    c = w.contract
+    k = math.prod(w.shape[:c]) // _shards(w.axes[:c], layout)
+    return k, math.prod(w.shape[c:]) // _shards(w.axes[c:], layout)
+
+
+def _shards(axes: tuple, layout: Layout) -> int:
+    return math.prod(layout.axis_size(a) for a in axes if a is not None)
+
+
+def _blocks_align(w: QuantArray, layout: Layout) -> bool:
+    """Whether a device's rows of a split contraction start where a block of scales starts: the kernels and
+    the products per block take each device's blocks whole (otherwise XLA would move the weight's rows between
+    devices to cut them into blocks: it is dequantized first instead)."""
     if w.scale.shape[0] == 1:
         return True
-    shards = math.prod(layout.axis_size(a) for a in w.axes[: w.contract] if a is not None)
+    shards = _shards(w.axes[: w.contract], layout)
     k = math.prod(w.shape[: w.contract])
     return shards == 1 or (k // shards) % w.block == 0
 
 
-def _cpu_matmul(x: jax.Array, w: QuantArray, layout: Layout) -> jax.Array:
+def _per_device(x: jax.Array, w: QuantArray, layout: Layout, kernel: Callable) -> jax.Array:
+    """x [R, N, *k] times w by `kernel(x [T, K], values [K, N], scale [blocks, N], block=) -> [T, N]` on each
+    device's shards, inside a shard_map; a split contraction ends in an all-reduce over its mesh axes."""
     c = w.contract
     k_axes, out_axes = w.axes[:c], w.axes[c:]
     split = tuple(m for a in k_axes for m in layout.mesh_axes(a))   # mesh axes the contraction is split over
@@ -103,11 +152,10 @@ def _cpu_matmul(x: jax.Array, w: QuantArray, layout: Layout) -> jax.Array:
         if scale.shape[0] > 1 and split:   # this device's blocks of a split contraction
             first = jax.lax.axis_index(split) * (k // w.block)
             scale = jax.lax.dynamic_slice_in_dim(scale, first, -(-k // w.block), axis=0)
-        y = quant_matmul_cpu.quantized_matmul(x.reshape(-1, k), values.reshape(k, n), scale.reshape(-1, n),
-                                              block=w.block)
+        y = kernel(x.reshape(-1, k), values.reshape(k, n), scale.reshape(-1, n), block=w.block)
         y = y.reshape(*rows, *out_shape)
         return jax.lax.psum(y, split) if split else y
 
     scale_axes = (None, *out_axes)
-    return layout.shard_map(local, in_axes=((*ROWS, *k_axes), w.axes, scale_axes),
-                            out_axes=(*ROWS, *out_axes))(x, w.values, w.scale)
+    return layout.shard_map(local, in_axes=((*ROWS, *k_axes), w.axes, scale_axes), out_axes=(*ROWS, *out_axes),
+                            check_vma=False)(x, w.values, w.scale)   # a pallas_call's output has no vma type

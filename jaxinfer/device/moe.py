@@ -16,7 +16,8 @@ token is ever dropped whatever the routing):
 1. route; 2. sort the assignments by global expert, which groups them by owner (expert // X_local) and
    within an owner by local expert, and write them compacted into a fixed [ep, C, .] send buffer;
 3. all-to-all over ep (tiled: split axis 0 = destination, concat axis 0 = source); 4. sort what arrived
-   by local expert and run it through the local experts with `lax.ragged_dot` (gate and up in one); 5.
+   by local expert and run it through the local experts with `lax.ragged_dot` (gate and up in one), or,
+   with fewer rows than experts, each row through its own expert's weights (`_grouped`); 5.
    all-to-all back to the source slots; 6. weight and sum the k choices; 7. one psum over tp (each tp
    rank holds a partial down-projection), none at tp=1. Counts are a local histogram, returned sharded
    like the tokens.
@@ -89,18 +90,56 @@ def _plain(w: jax.Array | QuantArray, dtype) -> jax.Array:
 
 def _grouped(xs: jax.Array, w: jax.Array | QuantArray, sizes: jax.Array, expert: jax.Array) -> jax.Array:
     """xs [n, K] (rows grouped by local expert, `sizes` rows each; `expert` [n] each row's) times the local
-    experts' weights [X, K, *out] -> [n, prod(out)] in xs's dtype, one `lax.ragged_dot`. Experts quantized per
-    channel go in as their values converted to xs's dtype, the product accumulated in float32 and each row
-    scaled by its expert's scales, as jaxinfer.quant.matmul does for a dense weight: dequantized first, they
-    were a full-precision copy of every expert written and read back per step on GPU. Block-wise scales vary
-    along K: those experts are dequantized first."""
+    experts' weights [X, K, *out] -> [n, prod(out)] in xs's dtype.
+
+    Fewer rows than experts (a decode step): each row times its own expert's weight (`_per_row`), so a step
+    reads the experts its rows chose; XLA:GPU's `lax.ragged_dot` multiplies every expert by a masked copy of
+    the rows, reading all X. More rows: one ragged_dot. Experts quantized per channel go into it as their
+    values converted to xs's dtype, the product accumulated in float32 and each row scaled by its expert's
+    scales, as jaxinfer.quant.matmul does for a dense weight (dequantized first, every expert was written
+    out in full precision and read back per step on GPU). Block-wise scales vary along K: in a ragged_dot
+    those experts are dequantized first, 5 bytes moved per 1-byte weight (read, written in bfloat16, read
+    back), so they take the rows' own experts up to 5X rows."""
+    blockwise = isinstance(w, QuantArray) and w.scale.shape[1] > 1
+    if xs.shape[0] < w.shape[0] * (5 if blockwise else 1):
+        return _per_row(xs, w, expert)
     if not isinstance(w, QuantArray):
         return lax.ragged_dot(xs, w.reshape(*w.shape[:2], -1), sizes)
-    if w.scale.shape[1] > 1:
+    if blockwise:
         return lax.ragged_dot(xs, w.dequantize(xs.dtype).reshape(*w.shape[:2], -1), sizes)
     y = lax.ragged_dot(xs, w.values.astype(xs.dtype).reshape(*w.shape[:2], -1), sizes,
                        preferred_element_type=jnp.float32)
     return (y * w.scale.reshape(w.shape[0], -1)[expert]).astype(xs.dtype)
+
+
+def _device_rows(w: jax.Array | QuantArray, axis: str, dtype) -> jax.Array | QuantArray:
+    """Inside the shard_map, the down projection [X, M / tp, E] of this device's rows of M, whose block-wise
+    scales [X, blocks of M, E] cover all of M: cut to this device's blocks where its rows start a block, else
+    (a split inside a block) the weight dequantized with each row's own block's scale."""
+    if not isinstance(w, QuantArray) or w.scale.shape[1] == 1:
+        return w
+    rows, first = w.shape[1], lax.axis_index(axis) * w.shape[1]
+    if rows % w.block == 0:
+        return w.replace(scale=lax.dynamic_slice_in_dim(w.scale, first // w.block, rows // w.block, axis=1))
+    scale = jnp.take(w.scale, (first + jnp.arange(rows)) // w.block, axis=1)
+    return (w.values.astype(jnp.float32) * scale).astype(dtype)
+
+
+def _per_row(xs: jax.Array, w: jax.Array | QuantArray, expert: jax.Array) -> jax.Array:
+    """Row i of xs [n, K] times expert[i]'s weight of w [X, K, *out] -> [n, prod(out)] in xs's dtype, as a
+    product and a float32 sum over K, each weight element times its scale (block-wise) or the sum times the
+    column's (per channel). Written so, XLA fuses the gather of each row's weight into one reduction that
+    reads it where it lies; as a batched dot of experts this large it copied each row's expert out first."""
+    n, k = xs.shape
+    x = xs.astype(jnp.float32)[:, :, None]
+    if not isinstance(w, QuantArray):
+        return (x * w[expert].reshape(n, k, -1).astype(jnp.float32)).sum(1).astype(xs.dtype)
+    values = w.values[expert].reshape(n, k, -1).astype(jnp.float32)
+    scale = w.scale[expert].reshape(n, w.scale.shape[1], -1)                        # [n, blocks, N]
+    if scale.shape[1] == 1:
+        return ((x * values).sum(1) * scale[:, 0]).astype(xs.dtype)
+    rows = jnp.repeat(scale, w.block, axis=1)[:, :k]                                # each row's block's scale
+    return (x * values * rows).sum(1).astype(xs.dtype)
 
 
 def _uint(dtype: jnp.dtype) -> jnp.dtype:
@@ -171,10 +210,11 @@ def moe(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array
         sizes = (ids[:, None] == jnp.arange(x_local)).sum(0, dtype=jnp.int32)  # empty slots: beyond sum(sizes)
         xs, expert = received[by_expert], ids[by_expert]   # expert == x_local: an empty slot
         blocks = w_gate_up.shape[2:]                    # this device's column blocks: [G / tp, 2M/G]
+        down = _device_rows(w_down, tp_axis, x.dtype) if tp > 1 else w_down
         row_expert = jnp.minimum(expert, x_local - 1)   # empty slots' rows: any expert's scale, zeroed below
         fused = _grouped(xs, w_gate_up, sizes, row_expert)   # gate and up at once
         gate, up = _gate_and_up(fused.reshape(-1, *blocks), axis=1)
-        out = _grouped(jax.nn.silu(gate) * up, w_down, sizes, row_expert)
+        out = _grouped(jax.nn.silu(gate) * up, down, sizes, row_expert)
         out = jnp.where((expert < x_local)[:, None], out, 0)
         out = jnp.zeros_like(out).at[by_expert].set(out)  # back to arrival order
         # 5. back to the source slots; 6. weight and sum the k choices; 7. one all-reduce over tp.

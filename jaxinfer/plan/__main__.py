@@ -76,11 +76,16 @@ def model_config(model: str | None):
 
     if model is None:
         return config_from_dict(dict(DEFAULT)), "jaxinfer-random-small"
+    return config_from_dict(config_json(model)), str(model)
+
+
+def config_json(model: str) -> dict:
+    """The config.json of a checkpoint directory, or the file itself."""
     path = Path(model)
     path = path / "config.json" if path.is_dir() else path
     if not path.is_file():
         raise ConfigError(f"{model} is neither a checkpoint directory with a config.json nor a config.json")
-    return config_from_dict(read_json(path)), str(model)
+    return read_json(path)
 
 
 def _plan(cfg, name, args, device, workload, engine_config):

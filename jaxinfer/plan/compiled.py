@@ -26,7 +26,7 @@ from jaxinfer.engine.packer import token_bucket
 from jaxinfer.engine.scheduler import SchedulerOutput
 from jaxinfer.mesh import MeshConfig
 from jaxinfer.models import model_for
-from jaxinfer.quant_formats import quantized_specs
+from jaxinfer.quant_formats import STORED_QTYPES, StoredQuantization, quantized_specs
 from jaxinfer.sharding import Layout, device_bytes
 
 
@@ -44,14 +44,17 @@ class CompiledLayout:
 
 
 def layout_engine(cfg: ModelConfig, mesh: MeshConfig, dtype, config: EngineConfig, decode_seqs: int = 1,
-                  devices: list | None = None) -> Engine:
+                  devices: list | None = None, stored: StoredQuantization | None = None) -> Engine:
     """The engine of the layout on the first mesh.size of `devices` (default: all), built as LLM builds it
     (its weights stacked, quantized and laid out the same way) on the weights' shapes, its KV pool's shapes
-    (nothing allocated), room for `decode_seqs` sequences per replica: it compiles steps and runs none."""
+    (nothing allocated), room for `decode_seqs` sequences per replica: it compiles steps and runs none.
+    stored: a pre-quantized checkpoint's scheme (jaxinfer.quant_formats.stored_quantization), every matmul
+    weight taken as stored in it."""
     layout = Layout(mesh.make(devices))
     model = model_for(cfg)
     specs = stacks_as_run(stage_specs(model, layout), dtype, config.scan_layers, layout.axis_size("layers"))
-    specs = quantized_specs(specs, config.quantization)
+    stored_dtype = {q: name for name, q in STORED_QTYPES.items()}[stored.qtype] if stored else None
+    specs = quantized_specs(specs, config.quantization, stored, stored and (lambda name: stored_dtype))
     weights = gemm_layouts(jax.tree.map(lambda s: abstract(s, dtype, layout.sharding), specs, is_leaf=is_spec), layout)
     config = dataclasses.replace(config, compilation_cache=False, max_num_seqs=max(config.max_num_seqs, decode_seqs))
     return Engine(model, layout, weights, dtype, config, allocate=False)
