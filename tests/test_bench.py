@@ -55,8 +55,10 @@ def test_bench_json_counts(tmp_path, capsys, random_checkpoint):
         assert math.isclose(x["host_ms_per_step"], host) and 0 <= x["device_idle"] < 1
         assert 0.5 * wall <= host + x["step_ms"]["device"] <= wall
         assert 0 < x["host_cpu_ms_per_step"] <= wall   # one thread's CPU time within the steps' wall time
-        # the XLA floor of the same decode shapes was measured, and the engine cannot beat it
-        assert 0 < x["of_floor"] < 1 and x["xla_floor_tokens_per_second"] > x["decode_tokens_per_second"]
+        # the XLA floor of the same decode shapes was measured, and the ratio is the engine's tok/s over it (not
+        # bounded by 1 here: two timings of a tiny model on a shared machine can land either way)
+        floor = x["xla_floor_tokens_per_second"]
+        assert floor > 0 and math.isclose(x["of_floor"], x["decode_tokens_per_second"] / floor)
         # --profile: one more generate traced, its operations per step, the costliest first
         p = x["ops"]
         assert p["steps"] == steps and list((tmp_path / "trace" / f"batch{b}").rglob("*.xplane.pb"))
