@@ -63,6 +63,17 @@ class QuantArray:
     def lead(self) -> int:
         return self.ndim - self.contract - self.out
 
+    def shard_rows(self, first: jax.Array | int) -> QuantArray:
+        """This device's shard of a weight whose contraction is split over devices: its values hold the
+        contraction's rows [first, first + K), `first` a multiple of `block` (traced: an axis index times K),
+        its scale still every block's -> the scale cut to its own blocks (per channel: as it is)."""
+        a = self.lead
+        if self.scale.shape[a] == 1:
+            return self
+        k = math.prod(self.values.shape[a: a + self.contract])
+        return self.replace(scale=jax.lax.dynamic_slice_in_dim(self.scale, first // self.block, -(-k // self.block),
+                                                                axis=a))
+
     def full_scale(self) -> jax.Array:
         """The scale of every contraction row: [*lead, K, *out] (blocks repeated, cut to K)."""
         a, k = self.lead, math.prod(self.values.shape[self.lead: self.lead + self.contract])
@@ -138,7 +149,7 @@ def matmul(x: jax.Array, w: jax.Array | QuantArray, contract: int = 1) -> jax.Ar
     if not by_blocks(x, w):
         return _product(x, w.dequantize(x.dtype), w.contract)
     rows, values = _blocks(x, w)
-    y = _block_products(rows.astype(x.dtype), values.astype(x.dtype), w.scale.reshape(rows.shape[1], 1, -1))
+    y = _block_products(rows, values.astype(x.dtype), w.scale.reshape(rows.shape[1], 1, -1))
     return _unrows(y, x, w)
 
 

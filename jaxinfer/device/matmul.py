@@ -149,9 +149,8 @@ def _per_device(x: jax.Array, w: QuantArray, layout: Layout, kernel: Callable) -
     def local(x, values, scale):
         rows, k_shape, out_shape = x.shape[:2], values.shape[:c], values.shape[c:]
         k, n = math.prod(k_shape), math.prod(out_shape)
-        if scale.shape[0] > 1 and split:   # this device's blocks of a split contraction
-            first = jax.lax.axis_index(split) * (k // w.block)
-            scale = jax.lax.dynamic_slice_in_dim(scale, first, -(-k // w.block), axis=0)
+        if split:   # this device's blocks of a split contraction
+            scale = w.replace(values=values, scale=scale).shard_rows(jax.lax.axis_index(split) * k).scale
         y = kernel(x.reshape(-1, k), values.reshape(k, n), scale.reshape(-1, n), block=w.block)
         y = y.reshape(*rows, *out_shape)
         return jax.lax.psum(y, split) if split else y

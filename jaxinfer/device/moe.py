@@ -120,7 +120,7 @@ def _device_rows(w: jax.Array | QuantArray, axis: str, dtype) -> jax.Array | Qua
         return w
     rows, first = w.shape[1], lax.axis_index(axis) * w.shape[1]
     if rows % w.block == 0:
-        return w.replace(scale=lax.dynamic_slice_in_dim(w.scale, first // w.block, rows // w.block, axis=1))
+        return w.shard_rows(first)
     scale = jnp.take(w.scale, (first + jnp.arange(rows)) // w.block, axis=1)
     return (w.values.astype(jnp.float32) * scale).astype(dtype)
 
