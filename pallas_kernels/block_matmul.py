@@ -37,7 +37,7 @@ def fits(k: int, n: int, block: int) -> bool:
     return block >= 16 and block & (block - 1) == 0 and k % block == 0 and n % 16 == 0
 
 
-def _tile(size: int, largest: int) -> int:
+def tile(size: int, largest: int) -> int:
     """The largest power of two of at most `largest` that divides `size` (at least 16)."""
     tile = largest
     while size % tile:
@@ -45,18 +45,30 @@ def _tile(size: int, largest: int) -> int:
     return tile
 
 
+def block_product(x: jax.Array, w: jax.Array, scale: jax.Array | None, *, fp8_activations: bool) -> jax.Array:
+    """One contraction block's float32 product x [m, block] @ w [block, n], times its scales [1, n] (None:
+    unscaled): w converted to x's dtype (plain weights: the wider dtype of the two; float32 operands multiplied
+    in float32, not Triton's default TF32), or with `fp8_activations` x quantized to e4m3 per row and an fp8
+    dot scaled by x's scales too. Shared by the kernels that loop over a weight's contraction in blocks."""
+    if fp8_activations:
+        x32 = x.astype(jnp.float32)
+        amax = jnp.max(jnp.abs(x32), axis=1, keepdims=True)
+        x_scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+        product = jnp.dot((x32 / x_scale).astype(jnp.float8_e4m3fn), w, preferred_element_type=jnp.float32)
+        product = product * x_scale
+    else:   # 8-bit values convert exactly to x's dtype; plain weights meet x in the wider of the two
+        dtype = x.dtype if w.dtype.itemsize == 1 else jnp.promote_types(x.dtype, w.dtype)
+        product = jnp.dot(x.astype(dtype), w.astype(dtype), precision=lax.Precision.HIGHEST,
+                          preferred_element_type=jnp.float32)
+    return product if scale is None else product * scale
+
+
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, block: int, fp8_activations: bool):
     def step(i, acc):
         x = x_ref[:, pl.ds(i * block, block)]                  # [block_m, block]
         w = w_ref[pl.ds(i * block, block), :]                  # [block, block_n]
         scale = s_ref[pl.ds(i, 1), :]                          # [1, block_n]
-        if fp8_activations:
-            x32 = x.astype(jnp.float32)
-            amax = jnp.max(jnp.abs(x32), axis=1, keepdims=True)
-            x_scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-            product = jnp.dot((x32 / x_scale).astype(jnp.float8_e4m3fn), w, preferred_element_type=jnp.float32)
-            return acc + product * x_scale * scale
-        return acc + jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32) * scale
+        return acc + block_product(x, w, scale, fp8_activations=fp8_activations)
 
     blocks = x_ref.shape[1] // block
     acc = lax.fori_loop(0, blocks, step, jnp.zeros(o_ref.shape, jnp.float32))
@@ -78,7 +90,7 @@ def block_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *, block: in
     if fp8_activations and values.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"fp8_activations needs float8_e4m3fn values, not {values.dtype}")
     block_m = min(64, max(16, pl.next_power_of_2(t)))
-    block_n = _tile(n, 128)
+    block_n = tile(n, 128)
     rows = pl.cdiv(t, block_m) * block_m
     out = pl.pallas_call(
         functools.partial(_kernel, block=block, fp8_activations=fp8_activations),

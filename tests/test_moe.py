@@ -191,6 +191,42 @@ def test_compiled_collectives(mesh, dtype):
     assert report["all-reduce"] == all_reduce  # one [n, E] all-reduce over tp, like a dense MLP
 
 
+def quantized_experts_run(mesh: MeshConfig, block: int | None, top_k: int, e: int = 16, m: int = 24,
+                          qtype: str | None = "int8"):
+    """moe on 16 experts with int8 values and one scale per `block` rows of each contraction (None: per output
+    channel; qtype None: plain float32 experts) -> (its output, the reference's on the dequantized weights)."""
+    x_ = 16
+    x, router, *_, valid = make_inputs(mesh.ep, e, m, x_, seed=block or 0)
+    rng = np.random.default_rng(block or 0)
+    shapes = ((x_, e, m), (x_, e, m), (x_, m, e))
+    if qtype is None:
+        weights = [jnp.asarray(rng.normal(size=shape) / shape[1] ** 0.5, jnp.float32) for shape in shapes]
+        fn, placed = jit_moe(layout_for(mesh), (x, router, *weights, valid), top_k, True)
+        y_ref, _ = moe_reference(*fused((x, router, *weights, valid), 1), top_k=top_k, normalize=True)
+        return fn(*placed)[0], y_ref
+    values = [jnp.asarray(rng.integers(-127, 128, size=shape), jnp.int8) for shape in shapes]
+    blocks = [v.shape[1] if block is None else block for v in values]
+    scales = [jnp.asarray(rng.uniform(0.2, 1, size=(x_, -(-v.shape[1] // b), v.shape[2])), jnp.float32)
+              / (127 * v.shape[1] ** 0.5) for v, b in zip(values, blocks, strict=True)]
+    _, _, gu_values, down_values, _ = fused((x, router, *values, valid), mesh.tp)
+    _, _, gu_scale, down_scale, _ = fused((x, router, *scales, valid), mesh.tp)
+    gate_up = QuantArray(gu_values, gu_scale, out=2, block=blocks[0], axes=("embed", "mlp", None))
+    down = QuantArray(down_values, down_scale, out=1, block=blocks[2], axes=("mlp", "embed"))
+    layout = layout_for(mesh)
+    place = lambda a, axes: jax.device_put(a, layout.sharding(axes))  # noqa: E731
+    placed = (place(x, ("batch", "seq", "embed")), jax.device_put(router, NamedSharding(layout.mesh, P())),
+              gate_up.replace(values=place(gate_up.values, ("experts", "embed", "mlp", None)),
+                              scale=place(gate_up.scale, ("experts", None, "mlp", None))),
+              down.replace(values=place(down.values, ("experts", "mlp", "embed")),
+                           scale=place(down.scale, ("experts", None, "embed"))),
+              place(valid, ("batch", "seq")))
+    y, _ = jax.jit(lambda *a: moe(*a, top_k=top_k, normalize=True, layout=layout))(*placed)
+    gate, up, w_down = (v.astype(jnp.float32) * jnp.repeat(s, b, axis=1)[:, : v.shape[1]]
+                        for v, s, b in zip(values, scales, blocks, strict=True))
+    y_ref, _ = moe_reference(*fused((x, router, gate, up, w_down, valid), 1), top_k=top_k, normalize=True)
+    return y, y_ref
+
+
 @pytest.mark.parametrize("mesh,block,top_k", [
     (MeshConfig(tp=2), 12, 12),  # 96 rows for 16 experts: one ragged_dot, dequantized; down's 24 rows split at 12
     (MeshConfig(tp=2), 12, 2),   # 16 rows: each row its own expert, its own device's blocks of down
@@ -202,29 +238,29 @@ def test_block_quantized_experts_match_the_reference(mesh, block, top_k):
     blocks of 12: a partial last block): each device takes its own rows' scales, in the grouped product or
     in each row's own expert's, and the output is the reference's on the dequantized weights, to float32's
     rounding."""
-    x_, e, m = 16, 16, 24
-    x, router, *_, valid = make_inputs(mesh.ep, e, m, x_, seed=block)
-    rng = np.random.default_rng(block)
-    values = [jnp.asarray(rng.integers(-127, 128, size=shape), jnp.int8)
-              for shape in ((x_, e, m), (x_, e, m), (x_, m, e))]
-    scales = [jnp.asarray(rng.uniform(0.2, 1, size=(x_, -(-v.shape[1] // block), v.shape[2])), jnp.float32)
-              / (127 * v.shape[1] ** 0.5) for v in values]
-    _, _, gu_values, down_values, _ = fused((x, router, *values, valid), mesh.tp)
-    _, _, gu_scale, down_scale, _ = fused((x, router, *scales, valid), mesh.tp)
-    gate_up = QuantArray(gu_values, gu_scale, out=2, block=block, axes=("embed", "mlp", None))
-    down = QuantArray(down_values, down_scale, out=1, block=block, axes=("mlp", "embed"))
-    layout = layout_for(mesh)
-    place = lambda a, axes: jax.device_put(a, layout.sharding(axes))  # noqa: E731
-    placed = (place(x, ("batch", "seq", "embed")), jax.device_put(router, NamedSharding(layout.mesh, P())),
-              gate_up.replace(values=place(gate_up.values, ("experts", "embed", "mlp", None)),
-                              scale=place(gate_up.scale, ("experts", None, "mlp", None))),
-              down.replace(values=place(down.values, ("experts", "mlp", "embed")),
-                           scale=place(down.scale, ("experts", None, "embed"))),
-              place(valid, ("batch", "seq")))
-    y, _ = jax.jit(lambda *a: moe(*a, top_k=top_k, normalize=True, layout=layout))(*placed)
-    gate, up, w_down = (v.astype(jnp.float32) * jnp.repeat(s, block, axis=1)[:, : v.shape[1]]
-                        for v, s in zip(values, scales, strict=True))
-    y_ref, _ = moe_reference(*fused((x, router, gate, up, w_down, valid), 1), top_k=top_k, normalize=True)
+    y, y_ref = quantized_experts_run(mesh, block, top_k)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("mesh,qtype,block,top_k", [
+    (MeshConfig(tp=2), "int8", 16, 4),     # gate/up's 32 rows in 2 blocks; each device's 16 rows of down in 1
+    (MeshConfig(), "int8", 16, 1),         # fewer rows than experts: a decode step, each group a row or two
+    (MeshConfig(ep=2), "int8", None, 2),   # per output channel, over two expert-parallel devices
+    (MeshConfig(ep=2, tp=2), None, None, 2),   # plain float32 experts
+], ids=str)
+def test_the_gpu_kernel_route_matches_the_reference(monkeypatch, mesh, qtype, block, top_k):
+    """On GPUs the experts go through the grouped matmul kernel (jaxinfer.pallas_kernels.grouped_matmul): run
+    here in interpret mode, twice per layer (gate/up, down), it gives the reference's output to float32's
+    rounding, whichever way the experts are stored or split."""
+    import jaxinfer.device.moe as moe_module
+    from jaxinfer.pallas_kernels import grouped_matmul
+
+    calls = []
+    kernel = grouped_matmul.grouped_matmul
+    monkeypatch.setattr(moe_module, "KERNEL_PLATFORMS", ("gpu", "cpu"))
+    monkeypatch.setattr(grouped_matmul, "grouped_matmul", lambda *a, **k: calls.append(k) or kernel(*a, **k))
+    y, y_ref = quantized_experts_run(mesh, block, top_k, e=32, m=32, qtype=qtype)
+    assert len(calls) == 2 and all(call["interpret"] for call in calls)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=1e-5, rtol=0)
 
 

@@ -83,7 +83,7 @@ from jaxinfer.random_model import DEFAULT, LLAMA3_8B
 
 REPO = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = ("tests/test_ragged_paged_attention.py", "tests/test_rope_cache.py", "tests/test_block_attention.py",
-                "tests/test_block_matmul.py")
+                "tests/test_block_matmul.py", "tests/test_grouped_matmul.py")
 HTTP_PACKAGES = ("fastapi", "uvicorn", "httpx")    # bench_serving --http / --url only
 OTHER_PACKAGES = ("tqdm", "pytest")
 SPEC_GBPS = {"H200": 4800.0, "H100": 3350.0}      # vendors' datasheets (SXM), for reference only

@@ -16,8 +16,9 @@ token is ever dropped whatever the routing):
 1. route; 2. sort the assignments by global expert, which groups them by owner (expert // X_local) and
    within an owner by local expert, and write them compacted into a fixed [ep, C, .] send buffer;
 3. all-to-all over ep (tiled: split axis 0 = destination, concat axis 0 = source); 4. sort what arrived
-   by local expert and run it through the local experts with `lax.ragged_dot` (gate and up in one), or,
-   with fewer rows than experts, each row through its own expert's weights (`_grouped`); 5.
+   by local expert and run it through the local experts, gate and up in one (`_grouped`): on GPUs the
+   Pallas grouped matmul, elsewhere `lax.ragged_dot`, or, with fewer rows than experts, each row through
+   its own expert's weights; 5.
    all-to-all back to the source slots; 6. weight and sum the k choices; 7. one psum over tp (each tp
    rank holds a partial down-projection), none at tp=1. Counts are a local histogram, returned sharded
    like the tokens.
@@ -39,17 +40,22 @@ are masked with `where` regardless.
 
 from __future__ import annotations
 
+import math
+
 import chex
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxinfer.checkpoint import unfuse
+from jaxinfer.device.matmul import has_fp8_gemm
+from jaxinfer.pallas_kernels import grouped_matmul
 from jaxinfer.quant import QuantArray, axes_of
 from jaxinfer.sharding import Layout
 
 TOKENS = ("batch", "seq", "embed")
 WEIGHTS_IN, WEIGHTS_OUT = ("experts", "embed", "mlp", None), ("experts", "mlp", "embed")
+KERNEL_PLATFORMS = ("gpu",)   # where the experts go through the grouped matmul kernel (elsewhere interpreted)
 
 
 def route(x: jax.Array, router: jax.Array, valid: jax.Array, *, top_k: int,
@@ -88,19 +94,29 @@ def _plain(w: jax.Array | QuantArray, dtype) -> jax.Array:
     return w.dequantize(dtype) if isinstance(w, QuantArray) else w
 
 
-def _grouped(xs: jax.Array, w: jax.Array | QuantArray, sizes: jax.Array, expert: jax.Array) -> jax.Array:
+def _grouped(xs: jax.Array, w: jax.Array | QuantArray, sizes: jax.Array, expert: jax.Array,
+             layout: Layout) -> jax.Array:
     """xs [n, K] (rows grouped by local expert, `sizes` rows each; `expert` [n] each row's) times the local
     experts' weights [X, K, *out] -> [n, prod(out)] in xs's dtype.
 
-    Fewer rows than experts (a decode step): each row times its own expert's weight (`_per_row`), so a step
-    reads the experts its rows chose; XLA:GPU's `lax.ragged_dot` multiplies every expert by a masked copy of
-    the rows, reading all X. More rows: one ragged_dot. Experts quantized per channel go into it as their
-    values converted to xs's dtype, the product accumulated in float32 and each row scaled by its expert's
-    scales, as jaxinfer.quant.matmul does for a dense weight (dequantized first, every expert was written
-    out in full precision and read back per step on GPU). Block-wise scales vary along K: in a ragged_dot
-    those experts are dequantized first, 5 bytes moved per 1-byte weight (read, written in bfloat16, read
-    back), so they take the rows' own experts up to 5X rows."""
+    On GPUs, the Pallas grouped matmul (jaxinfer.pallas_kernels.grouped_matmul) wherever it tiles the experts:
+    it reads the experts the rows chose, as stored, and writes only its output; fp8 ones only where the GPU has
+    fp8 tensor cores (Triton converts float8 on those only), block-wise fp8 with fp8 activations per row and
+    block as the dense kernel. Elsewhere, with fewer rows than experts (a decode step): each row times its own
+    expert's weight (`_per_row`), so a step reads the experts its rows chose; XLA's `lax.ragged_dot`
+    multiplies every expert by a masked copy of the rows, reading all X. More rows: one ragged_dot. Experts
+    quantized per channel go into it as their values converted to xs's dtype, the product accumulated in
+    float32 and each row scaled by its expert's scales, as jaxinfer.quant.matmul does for a dense weight.
+    Block-wise scales vary along K: in a ragged_dot those experts are dequantized first, 5 bytes moved per
+    1-byte weight (read, written in bfloat16, read back), so they take the rows' own experts up to 5X rows."""
     blockwise = isinstance(w, QuantArray) and w.scale.shape[1] > 1
+    if _kernel_takes(w, layout):
+        values, scale = (w.values, w.scale) if isinstance(w, QuantArray) else (w, None)
+        values = values.reshape(*values.shape[:2], -1)
+        scale = None if scale is None else scale.reshape(*scale.shape[:2], -1)
+        return grouped_matmul.grouped_matmul(
+            xs, values, scale, sizes, block=w.block if blockwise else None,
+            fp8_activations=blockwise and values.dtype == jnp.float8_e4m3fn, interpret=layout.platform != "gpu")
     if xs.shape[0] < w.shape[0] * (5 if blockwise else 1):
         return _per_row(xs, w, expert)
     if not isinstance(w, QuantArray):
@@ -110,6 +126,15 @@ def _grouped(xs: jax.Array, w: jax.Array | QuantArray, sizes: jax.Array, expert:
     y = lax.ragged_dot(xs, w.values.astype(xs.dtype).reshape(*w.shape[:2], -1), sizes,
                        preferred_element_type=jnp.float32)
     return (y * w.scale.reshape(w.shape[0], -1)[expert]).astype(xs.dtype)
+
+
+def _kernel_takes(w: jax.Array | QuantArray, layout: Layout) -> bool:
+    """Whether the grouped matmul kernel takes a device's experts w [X, K, *out] on this mesh."""
+    values = w.values if isinstance(w, QuantArray) else w
+    if layout.platform not in KERNEL_PLATFORMS or (values.dtype == jnp.float8_e4m3fn and not has_fp8_gemm(layout)):
+        return False
+    block = w.block if isinstance(w, QuantArray) and w.scale.shape[1] > 1 else None
+    return grouped_matmul.fits(w.shape[1], math.prod(w.shape[2:]), block)
 
 
 def _device_rows(w: jax.Array | QuantArray, axis: str, dtype) -> jax.Array | QuantArray:
@@ -212,9 +237,9 @@ def moe(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array
         blocks = w_gate_up.shape[2:]                    # this device's column blocks: [G / tp, 2M/G]
         down = _device_rows(w_down, tp_axis, x.dtype) if tp > 1 else w_down
         row_expert = jnp.minimum(expert, x_local - 1)   # empty slots' rows: any expert's scale, zeroed below
-        fused = _grouped(xs, w_gate_up, sizes, row_expert)   # gate and up at once
+        fused = _grouped(xs, w_gate_up, sizes, row_expert, layout)   # gate and up at once
         gate, up = _gate_and_up(fused.reshape(-1, *blocks), axis=1)
-        out = _grouped(jax.nn.silu(gate) * up, down, sizes, row_expert)
+        out = _grouped(jax.nn.silu(gate) * up, down, sizes, row_expert, layout)
         out = jnp.where((expert < x_local)[:, None], out, 0)
         out = jnp.zeros_like(out).at[by_expert].set(out)  # back to arrival order
         # 5. back to the source slots; 6. weight and sum the k choices; 7. one all-reduce over tp.
@@ -230,7 +255,8 @@ def moe(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array
 
     weight_axes = (axes_of(w_gate_up, WEIGHTS_IN), axes_of(w_down, WEIGHTS_OUT))
     return layout.shard_map(local, in_axes=(TOKENS, TOKENS[:2], None, *weight_axes),
-                            out_axes=(TOKENS, ("batch", None)))(x, valid, router, w_gate_up, w_down)
+                            out_axes=(TOKENS, ("batch", None)),   # a pallas_call's output has no vma type
+                            check_vma=False)(x, valid, router, w_gate_up, w_down)
 
 
 def _one_mesh_axis(layout: Layout, logical: str) -> str | None:
