@@ -49,13 +49,16 @@ def block_product(x: jax.Array, w: jax.Array, scale: jax.Array | None, *, fp8_ac
     """One contraction block's float32 product x [m, block] @ w [block, n], times its scales [1, n] (None:
     unscaled): w converted to x's dtype (plain weights: the wider dtype of the two; float32 operands multiplied
     in float32, not Triton's default TF32), or with `fp8_activations` x quantized to e4m3 per row and an fp8
-    dot scaled by x's scales too. Shared by the kernels that loop over a weight's contraction in blocks."""
+    dot scaled by x's scales too; e4m3 x (already quantized) meets e4m3 w in an fp8 dot. Shared by the kernels
+    that loop over a weight's contraction in blocks."""
     if fp8_activations:
         x32 = x.astype(jnp.float32)
         amax = jnp.max(jnp.abs(x32), axis=1, keepdims=True)
         x_scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
         product = jnp.dot((x32 / x_scale).astype(jnp.float8_e4m3fn), w, preferred_element_type=jnp.float32)
         product = product * x_scale
+    elif x.dtype == jnp.float8_e4m3fn:   # rows quantized before the kernel, their scales applied after it
+        product = jnp.dot(x, w, preferred_element_type=jnp.float32)
     else:   # 8-bit values convert exactly to x's dtype; plain weights meet x in the wider of the two
         dtype = x.dtype if w.dtype.itemsize == 1 else jnp.promote_types(x.dtype, w.dtype)
         product = jnp.dot(x.astype(dtype), w.astype(dtype), precision=lax.Precision.HIGHEST,

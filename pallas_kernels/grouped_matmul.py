@@ -10,9 +10,10 @@ weight tile: a call reads the experts its rows chose, each once per row tile, an
 
 Per program, over the contraction in chunks (the scales' blocks where they are block-wise): a [block_m, chunk]
 tile of the rows (masked to the group's) and a [chunk, block_n] tile of its expert's values, the product
-accumulated in float32 as jaxinfer.pallas_kernels.block_matmul accumulates it (`block_product`: weight-only,
-or with `fp8_activations` the rows quantized to e4m3 per row and block); per-channel scales multiply the sum.
-Rows past the groups come out 0.
+accumulated in float32 as jaxinfer.pallas_kernels.block_matmul accumulates it (`block_product`): weight-only,
+or with `fp8_activations` on fp8 values, fp8 dots on the rows quantized to e4m3 (per row and block in the
+kernel for block-wise values; per row before it, over the whole contraction, for per-channel ones, whose row
+and channel scales multiply the sum as jaxinfer.quant.fp8_matmul's). Rows past the groups come out 0.
 
 Triton needs power-of-two tiles: the contraction a multiple of 16 (of `block`, a power of two >= 16, when
 block-wise) and the output's columns a multiple of 16 (`fits`).
@@ -28,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.pallas_kernels.block_matmul import block_product, tile
+from jaxinfer.pallas_kernels.block_matmul import FP8_MAX, block_product, tile
 
 
 def fits(k: int, n: int, block: int | None = None) -> bool:
@@ -54,11 +55,13 @@ def _tile_map(sizes: jax.Array, rows: int, block_m: int, num_tiles: int) -> jax.
 
 def _kernel(tiles_ref, x_ref, w_ref, *refs, experts: int, block_m: int, block_n: int, chunk: int,
             per_block: bool, fp8_activations: bool):
-    s_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
+    *scale_refs, o_ref = refs   # the values' scales, then (rows quantized before the kernel) the rows' own
+    s_ref, r_ref = (*scale_refs, None, None)[:2]
     t, j = pl.program_id(0), pl.program_id(1)
     group, first, end = tiles_ref[t, 0], tiles_ref[t, 1], tiles_ref[t, 2]
     rows, cols = pl.ds(first, block_m), pl.ds(j * block_n, block_n)
-    out_mask = jnp.broadcast_to(((first + jnp.arange(block_m)) < end)[:, None], (block_m, block_n))
+    in_group = ((first + jnp.arange(block_m)) < end)[:, None]
+    out_mask = jnp.broadcast_to(in_group, (block_m, block_n))
 
     @pl.when(group == experts)      # the rows past the groups
     def _():
@@ -66,17 +69,19 @@ def _kernel(tiles_ref, x_ref, w_ref, *refs, experts: int, block_m: int, block_n:
 
     @pl.when((group >= 0) & (group < experts))
     def _():
-        in_mask = jnp.broadcast_to(((first + jnp.arange(block_m)) < end)[:, None], (block_m, chunk))
+        in_mask = jnp.broadcast_to(in_group, (block_m, chunk))
 
         def step(i, acc):
-            x = plgpu.load(x_ref.at[rows, pl.ds(i * chunk, chunk)], mask=in_mask, other=0)
+            x = plgpu.load(x_ref.at[rows, pl.ds(i * chunk, chunk)], mask=in_mask, other=0.0)
             w = w_ref[group, pl.ds(i * chunk, chunk), cols]
             scale = s_ref[group, pl.ds(i, 1), cols] if per_block else None
-            return acc + block_product(x, w, scale, fp8_activations=fp8_activations)
+            return acc + block_product(x, w, scale, fp8_activations=fp8_activations and per_block)
 
         acc = lax.fori_loop(0, x_ref.shape[1] // chunk, step, jnp.zeros((block_m, block_n), jnp.float32))
         if s_ref is not None and not per_block:
             acc = acc * s_ref[group, pl.ds(0, 1), cols]
+        if r_ref is not None:
+            acc = acc * plgpu.load(r_ref.at[rows, pl.ds(0, 1)], mask=in_group, other=1)
         plgpu.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype), mask=out_mask)
 
 
@@ -86,7 +91,8 @@ def grouped_matmul(xs: jax.Array, values: jax.Array, scale: jax.Array | None, si
     """xs [n, K], its rows grouped by expert (sizes [X] rows each, in expert order; rows past sum(sizes) belong
     to none), times each group's expert of values [X, K, N] (scale [X, 1, N] per channel, [X, K / block, N]
     in blocks of `block` rows, or None) -> [n, N] in xs's dtype, rows past the groups 0, as `lax.ragged_dot`.
-    fp8_activations: the rows quantized to e4m3 per row and block, fp8 dots (block-wise fp8 values only)."""
+    fp8_activations (fp8 values with scales): the rows quantized to e4m3 per row (and block, block-wise), fp8
+    dots."""
     n, k = xs.shape
     experts, _, cols = values.shape
     per_block = scale is not None and scale.shape[1] > 1
@@ -96,15 +102,21 @@ def grouped_matmul(xs: jax.Array, values: jax.Array, scale: jax.Array | None, si
                          f"[{n}, {k}]" + (f" in blocks of {block}" if per_block else ""))
     if scale is not None and scale.shape != (experts, k // block if per_block else 1, cols):
         raise ValueError(f"scale {scale.shape} for experts {values.shape} in blocks of {block}")
-    if fp8_activations and not (per_block and values.dtype == jnp.float8_e4m3fn):
-        raise ValueError(f"fp8_activations needs block-wise float8_e4m3fn values, not {values.dtype}"
-                         + ("" if per_block else " per channel"))
+    if fp8_activations and (values.dtype != jnp.float8_e4m3fn or scale is None):
+        raise ValueError(f"fp8_activations needs float8_e4m3fn values with scales, not {values.dtype}"
+                         + ("" if scale is not None else " unscaled"))
     block_m = min(64, max(16, pl.next_power_of_2(pl.cdiv(n, experts))))
     block_n = tile(cols, 128)
     chunk = block if per_block else tile(k, 64)
     num_tiles = pl.cdiv(n, block_m) + experts
     kernel = functools.partial(_kernel, experts=experts, block_m=block_m, block_n=block_n, chunk=chunk,
                                per_block=per_block, fp8_activations=fp8_activations)
+    operands = [xs, values, *(() if scale is None else (scale,))]
+    if fp8_activations and not per_block:   # per row over all of K: the rows quantized once, here
+        x32 = xs.astype(jnp.float32)
+        amax = jnp.max(jnp.abs(x32), axis=1, keepdims=True)
+        row_scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+        operands = [(x32 / row_scale).astype(jnp.float8_e4m3fn), *operands[1:], row_scale]
     return pl.pallas_call(   # a tile's rows start anywhere: its loads and stores are masked to its group
         kernel,
         grid=(num_tiles, cols // block_n),
@@ -112,4 +124,4 @@ def grouped_matmul(xs: jax.Array, values: jax.Array, scale: jax.Array | None, si
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret,
         name="grouped_matmul",
-    )(_tile_map(sizes, n, block_m, num_tiles), xs, values, *(() if scale is None else (scale,)))
+    )(_tile_map(sizes, n, block_m, num_tiles), *operands)

@@ -11,6 +11,7 @@ allocated, the engine compiles on the weights' shapes.
 import dataclasses
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -159,6 +160,8 @@ def test_experts_on_an_h100_are_read_as_stored(h100, quantization, batch):
     assert max(writes.values()) < one_expert, writes.most_common(2)
     kernels = [line for line in hlo.splitlines() if "__gpu$xla.gpu.triton" in line and "grouped_matmul" in line]
     assert len(kernels) == 2   # gate/up and down
+    rows = [re.search(r"operand_layout_constraints=\{s32\[[\d,]+\]\{[\d,]+\}, (\w+)\[", k).group(1) for k in kernels]
+    assert rows == ["f8e4m3fn" if quantization == "fp8" else "bf16"] * 2   # fp8 experts: on fp8 activations
     assert gemms(hlo)[1] == (0 if quantization is None else 2)   # 1-byte: qkv and o
 
 

@@ -60,16 +60,17 @@ def test_each_group_times_its_own_expert(qtype, block):
     assert np.all(np.abs(got - want) <= 2.0 ** -8 * np.abs(want) + float32_bound(xb, dense, SIZES))
 
 
-def test_fp8_activations_are_the_fp8_gemm_per_group():
-    """Block-wise fp8 experts with the rows quantized to e4m3 per row and block: each group's rows through
-    jaxinfer.quant.fp8_matmul with its expert, within float32 rounding."""
-    sizes, block = [3, 17, 0, 4], 64
+@pytest.mark.parametrize("block", [64, None])
+def test_fp8_activations_are_the_fp8_gemm_per_group(block):
+    """fp8 experts with the rows quantized to e4m3 per row and block (per row, per-channel experts): each
+    group's rows through jaxinfer.quant.fp8_matmul with its expert, within float32 rounding."""
+    sizes = [3, 17, 0, 4]
     values, scale, dense = experts(len(sizes), 128, 32, "fp8", block, seed=3)
     xs = jax.random.normal(jax.random.key(2), (sum(sizes), 128)) * jnp.linspace(0.1, 3, 128)
     got = grouped_matmul(xs, values, scale, jnp.asarray(sizes, jnp.int32), block=block, fp8_activations=True,
                          interpret=INTERPRET)
     starts = np.cumsum([0, *sizes])
-    want = jnp.concatenate([fp8_matmul(xs[a:b], QuantArray(values[e], scale[e], out=1, block=block))
+    want = jnp.concatenate([fp8_matmul(xs[a:b], QuantArray(values[e], scale[e], out=1, block=block or 128))
                             for e, (a, b) in enumerate(zip(starts[:-1], starts[1:], strict=True))])
     assert np.all(np.abs(np.asarray(got) - np.asarray(want)) <= 2 * float32_bound(xs, dense, sizes))
 
@@ -81,7 +82,7 @@ def test_shapes_it_cannot_tile_are_refused():
     with pytest.raises(ValueError, match=r"got \(2, 96, 32\) for rows \[2, 96\] in blocks of 48"):
         grouped_matmul(jnp.ones((2, 96)), values, scale, sizes, block=48, interpret=True)
     values, scale, _ = experts(2, 64, 32, "int8", None)
-    with pytest.raises(ValueError, match="fp8_activations needs block-wise float8_e4m3fn values, not int8"):
+    with pytest.raises(ValueError, match="fp8_activations needs float8_e4m3fn values with scales, not int8"):
         grouped_matmul(jnp.ones((2, 64)), values, scale, sizes, fp8_activations=True, interpret=True)
 
 

@@ -101,14 +101,15 @@ def _grouped(xs: jax.Array, w: jax.Array | QuantArray, sizes: jax.Array, expert:
 
     On GPUs, the Pallas grouped matmul (jaxinfer.pallas_kernels.grouped_matmul) wherever it tiles the experts:
     it reads the experts the rows chose, as stored, and writes only its output; fp8 ones only where the GPU has
-    fp8 tensor cores (Triton converts float8 on those only), block-wise fp8 with fp8 activations per row and
-    block as the dense kernel. Elsewhere, with fewer rows than experts (a decode step): each row times its own
-    expert's weight (`_per_row`), so a step reads the experts its rows chose; XLA's `lax.ragged_dot`
-    multiplies every expert by a masked copy of the rows, reading all X. More rows: one ragged_dot. Experts
-    quantized per channel go into it as their values converted to xs's dtype, the product accumulated in
-    float32 and each row scaled by its expert's scales, as jaxinfer.quant.matmul does for a dense weight.
-    Block-wise scales vary along K: in a ragged_dot those experts are dequantized first, 5 bytes moved per
-    1-byte weight (read, written in bfloat16, read back), so they take the rows' own experts up to 5X rows."""
+    fp8 tensor cores (Triton converts float8 on those only), on fp8 activations as a dense fp8 weight is
+    (jaxinfer.quant.fp8_matmul: per row and block for block-wise scales, per row for per-channel ones).
+    Elsewhere, with fewer rows than experts (a decode step): each row times its own expert's weight
+    (`_per_row`), so a step reads the experts its rows chose; XLA's `lax.ragged_dot` multiplies every expert
+    by a masked copy of the rows, reading all X. More rows: one ragged_dot. Experts quantized per channel go
+    into it as their values converted to xs's dtype, the product accumulated in float32 and each row scaled
+    by its expert's scales, as jaxinfer.quant.matmul does for a dense weight. Block-wise scales vary along K:
+    in a ragged_dot those experts are dequantized first, 5 bytes moved per 1-byte weight (read, written in
+    bfloat16, read back), so they take the rows' own experts up to 5X rows."""
     blockwise = isinstance(w, QuantArray) and w.scale.shape[1] > 1
     if _kernel_takes(w, layout):
         values, scale = (w.values, w.scale) if isinstance(w, QuantArray) else (w, None)
@@ -116,7 +117,8 @@ def _grouped(xs: jax.Array, w: jax.Array | QuantArray, sizes: jax.Array, expert:
         scale = None if scale is None else scale.reshape(*scale.shape[:2], -1)
         return grouped_matmul.grouped_matmul(
             xs, values, scale, sizes, block=w.block if blockwise else None,
-            fp8_activations=blockwise and values.dtype == jnp.float8_e4m3fn, interpret=layout.platform != "gpu")
+            fp8_activations=scale is not None and values.dtype == jnp.float8_e4m3fn,
+            interpret=layout.platform != "gpu")
     if xs.shape[0] < w.shape[0] * (5 if blockwise else 1):
         return _per_row(xs, w, expert)
     if not isinstance(w, QuantArray):
