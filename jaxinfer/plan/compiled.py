@@ -26,16 +26,19 @@ from jaxinfer.engine.packer import token_bucket
 from jaxinfer.engine.scheduler import SchedulerOutput
 from jaxinfer.mesh import MeshConfig
 from jaxinfer.models import model_for
+from jaxinfer.models.llama import Experts
 from jaxinfer.quant_formats import STORED_QTYPES, StoredQuantization, quantized_specs
 from jaxinfer.sharding import Layout, device_bytes
 
 
 @dataclasses.dataclass(frozen=True)
 class CompiledLayout:
-    """Per device: the bytes of its weights and of one token's K/V (all its layers, scales included), and the
-    collectives of the decode step and the prefill chunk (jaxinfer.collectives reports)."""
+    """Per device: the bytes of its weights (of which its MoE experts') and of one token's K/V (all its layers,
+    scales included), and the collectives of the decode step and the prefill chunk (jaxinfer.collectives
+    reports)."""
 
     weight_bytes: int
+    expert_bytes: int               # a step reads only the experts its tokens chose (jaxinfer.plan.roofline)
     kv_bytes_per_token: int
     decode: Report
     prefill: Report
@@ -78,6 +81,12 @@ def step_program(engine: Engine, shape: tuple[int, int], ring: bool = False) -> 
     return engine.runner.compile("step", batch)
 
 
+def expert_weights(weights) -> list:
+    """The MoE layers' expert weights in a model's weights (their routers left out: every token reads those)."""
+    experts = jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, Experts))
+    return [(e.gate_up, e.down) for e in experts if isinstance(e, Experts)]
+
+
 def compile_layout(cfg: ModelConfig, mesh: MeshConfig, dtype, config: EngineConfig, decode_seqs: int,
                    devices: list | None = None, programs: bool = True) -> CompiledLayout:
     """Compile the layout's decode step of `decode_seqs` sequences per replica (per microbatch under pp) and its
@@ -92,6 +101,7 @@ def compile_layout(cfg: ModelConfig, mesh: MeshConfig, dtype, config: EngineConf
 
     packer, weights = engine.packer, engine.runner.weights
     decode, prefill = decode_shape(engine, decode_seqs), (packer.max_tokens, min(packer.max_tokens, packer.max_seqs))
-    return CompiledLayout(max(device_bytes(weights, d) for d in engine.layout.mesh.devices.flat),
+    busiest = max(engine.layout.mesh.devices.flat, key=lambda d: device_bytes(weights, d))
+    return CompiledLayout(device_bytes(weights, busiest), device_bytes(expert_weights(weights), busiest),
                           engine.kv_bytes_per_token, program(decode, False), program(prefill, engine.sp > 1),
                           decode, prefill)

@@ -37,6 +37,7 @@ class DeviceKind:
                                   # bandwidth and matmul rates above are the host's, split over a mesh's devices
     dense_experts: bool = False   # lax.ragged_dot runs densely over every local expert (XLA:CPU lowers it to a
                                   # masked dense dot), so an MoE layer costs all its experts' FLOPs per routed token
+                                  # and reads them all, where the engine takes it (roofline.runs_experts_densely)
 
     def rate(self, weight_dtype: str) -> float:
         """Matmul rate for weights of this dtype; a dtype the device has no units for runs at bfloat16's."""

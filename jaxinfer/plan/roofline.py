@@ -6,7 +6,8 @@ A step (one call of the engine's program) on a device takes
     + per collective of the compiled program: the link latency + its bytes x (2 for an all-reduce, a ring's
       reduce-scatter and all-gather; else 1) / link bandwidth
     + the engine's host work per step (schedule, pack, dispatch: the device kind's step_overhead).
-Bytes read: the device's weights once per call, and the K/V of its share of the sequences' context.
+Bytes read: the device's weights once per call, its MoE experts at the share its tokens chose (`expert_share`),
+and the K/V of its share of the sequences' context.
 
 The workload per replica (dp x ep replicas share the concurrency): B sequences, in M = min(pp, B) microbatches
 of b under pp. Decode: each call advances one microbatch by a token and a microbatch passes pp calls per
@@ -63,21 +64,45 @@ def matmul_flops_per_token(cfg: ModelConfig, layers: int, dense_experts: bool = 
     return share * (cfg.num_layers * attention + dense + moe)
 
 
+def runs_experts_densely(cfg: ModelConfig, mesh: MeshConfig, device: DeviceKind, tokens: float) -> bool:
+    """Whether a call of `tokens` per replica runs the experts densely: on a device kind whose grouped matmul
+    is dense (XLA:CPU's lax.ragged_dot), which the engine takes once the rows a device's experts receive
+    (ep x tokens / sp x top-k, jaxinfer.device.moe) are as many as its local experts; fewer, and each row
+    meets its own expert's weight."""
+    rows = mesh.ep * tokens / mesh.sp * cfg.experts_per_token
+    return device.dense_experts and bool(cfg.num_experts) and rows >= cfg.num_experts / mesh.ep
+
+
+def expert_share(cfg: ModelConfig, mesh: MeshConfig, device: DeviceKind, tokens: float,
+                 routed: float | None = None) -> float:
+    """The expected share of a device's expert weights one call of `tokens` per replica (its bucket, padding
+    included; `routed` of them real, default all) reads: an expert is read when one of the tokens its ep
+    group routes (ep x routed / sp, top-k of X each, routing taken as uniform) chose it, 1 - (1 - k / X)^that;
+    all of them where they run densely. A decode step of one sequence of Qwen3-30B-A3B (8 of 128 experts)
+    reads 6% of them, a prefill chunk all."""
+    if not cfg.num_experts or runs_experts_densely(cfg, mesh, device, tokens):
+        return 1.0
+    routed = tokens if routed is None else routed
+    return 1 - (1 - cfg.experts_per_token / cfg.num_experts) ** (mesh.ep * routed / mesh.sp)
+
+
 def attention_flops_per_token(cfg: ModelConfig, layers: int, context: float) -> float:
     return 4 * context * cfg.num_heads * cfg.head_dim * layers
 
 
-def step_seconds(cfg: ModelConfig, mesh: MeshConfig, device: DeviceKind, weight_dtype: str, weight_bytes: int,
-                 kv_bytes_per_token: int, tokens: int, seqs: int, context: float, sampled: int,
-                 collectives: float) -> float:
-    """One call on the busiest device: `tokens` per replica (split over sp), `seqs` sequences of `context`
-    tokens each whose K/V it reads (split over sp), `sampled` rows through the LM head (split over tp)."""
+def step_seconds(cfg: ModelConfig, mesh: MeshConfig, device: DeviceKind, weight_dtype: str, held: CompiledLayout,
+                 tokens: int, seqs: int, context: float, sampled: int, collectives: float,
+                 routed: float | None = None) -> float:
+    """One call on the busiest device, which holds `held`'s weights and K/V per token: `tokens` per replica
+    (split over sp; `routed` of them real, default all), `seqs` sequences of `context` tokens each whose K/V
+    it reads (split over sp), `sampled` rows through the LM head (split over tp)."""
     layers = math.ceil(cfg.num_layers / mesh.pp)
     per_device = tokens / mesh.sp
-    flops = (per_device * (matmul_flops_per_token(cfg, layers, device.dense_experts)
+    flops = (per_device * (matmul_flops_per_token(cfg, layers, runs_experts_densely(cfg, mesh, device, tokens))
                            + attention_flops_per_token(cfg, layers, context))
              / mesh.tp + 2 * sampled * cfg.hidden_size * cfg.vocab_size / mesh.tp)
-    read = weight_bytes + seqs * context / mesh.sp * kv_bytes_per_token
+    weights = held.weight_bytes - held.expert_bytes * (1 - expert_share(cfg, mesh, device, tokens, routed))
+    read = weights + seqs * context / mesh.sp * held.kv_bytes_per_token
     share = mesh.size if device.shared else 1    # fake CPU devices split the host's rates
     return (share * max(flops / device.rate(weight_dtype), read / device.memory_bandwidth) + collectives
             + device.step_overhead)
@@ -94,19 +119,17 @@ def estimate(cfg: ModelConfig, mesh: MeshConfig, device: DeviceKind, workload: W
     context = workload.prompt + workload.output / 2
     decode_coll = collective_seconds(compiled.decode, device)
     prefill_coll = collective_seconds(compiled.prefill, device)
-    decode = step_seconds(cfg, mesh, device, weight_dtype, compiled.weight_bytes, compiled.kv_bytes_per_token,
-                          compiled.decode_shape[0], per_micro, context, per_micro, decode_coll)
-    prefill = step_seconds(cfg, mesh, device, weight_dtype, compiled.weight_bytes, compiled.kv_bytes_per_token,
-                           chunk, 1, workload.prompt / 2, 1, prefill_coll)
+    decode = step_seconds(cfg, mesh, device, weight_dtype, compiled, compiled.decode_shape[0], per_micro, context,
+                          per_micro, decode_coll, routed=per_micro)
+    prefill = step_seconds(cfg, mesh, device, weight_dtype, compiled, chunk, 1, workload.prompt / 2, 1, prefill_coll)
     chunks = math.ceil(seqs * workload.prompt / chunk)
     prefill_total = (chunks + mesh.pp - 1) * prefill
     decode_total = workload.output * mesh.pp * decode
     tokens_per_s = replicas * seqs * workload.output / (prefill_total + decode_total)
     one = MeshConfig()
-    t1_decode = step_seconds(cfg, one, device, weight_dtype, single.weight_bytes, single.kv_bytes_per_token,
-                             workload.concurrency, workload.concurrency, context, workload.concurrency, 0.0)
-    t1_prefill = step_seconds(cfg, one, device, weight_dtype, single.weight_bytes, single.kv_bytes_per_token,
-                              chunk, 1, workload.prompt / 2, 1, 0.0)
+    t1_decode = step_seconds(cfg, one, device, weight_dtype, single, workload.concurrency, workload.concurrency,
+                             context, workload.concurrency, 0.0)
+    t1_prefill = step_seconds(cfg, one, device, weight_dtype, single, chunk, 1, workload.prompt / 2, 1, 0.0)
     t_min = math.ceil(workload.concurrency * workload.prompt / chunk) * t1_prefill + workload.output * t1_decode
     t_layout = workload.concurrency * workload.output / tokens_per_s
     return Estimate(decode, prefill, decode_coll, prefill_coll,
