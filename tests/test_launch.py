@@ -167,3 +167,14 @@ def test_missing_model_exits_2(cache):
     assert "no-such-model" in r.stderr and "does not exist" in r.stderr
     assert "Traceback" not in r.stderr
 
+
+
+@pytest.mark.skipif(os.path.exists("/proc/driver/nvidia"), reason="a GPU host: the CUDA plugin's check is wanted")
+def test_jax_starts_without_a_traceback_on_a_host_without_a_gpu():
+    """The CUDA plugin installed to compile for GPUs (jaxinfer.device.gpu_target) checks the CUDA libraries as JAX
+    starts, and printed a traceback before every command on a machine that has no GPU."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    r = subprocess.run([sys.executable, "-c", "import jaxinfer, jax; print(jax.default_backend())"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stdout.strip()) == (0, "cpu"), r.stderr
+    assert "Traceback" not in r.stderr and "error" not in r.stderr.lower(), r.stderr
