@@ -9,7 +9,6 @@ from importlib.metadata import PackageNotFoundError, version
 if not os.path.exists("/proc/driver/nvidia"):
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
-
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.core import Completion
 from jaxinfer.llm import LLM

@@ -45,6 +45,14 @@ def tile(size: int, largest: int) -> int:
     return tile
 
 
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [m, k] -> (e4m3 values, float32 scales [m, 1]): one scale per row, amax / 448 (1 where a row is 0)."""
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    return (x32 / scale).astype(jnp.float8_e4m3fn), scale
+
+
 def block_product(x: jax.Array, w: jax.Array, scale: jax.Array | None, *, fp8_activations: bool) -> jax.Array:
     """One contraction block's float32 product x [m, block] @ w [block, n], times its scales [1, n] (None:
     unscaled): w converted to x's dtype (plain weights: the wider dtype of the two; float32 operands multiplied
@@ -52,11 +60,8 @@ def block_product(x: jax.Array, w: jax.Array, scale: jax.Array | None, *, fp8_ac
     dot scaled by x's scales too; e4m3 x (already quantized) meets e4m3 w in an fp8 dot. Shared by the kernels
     that loop over a weight's contraction in blocks."""
     if fp8_activations:
-        x32 = x.astype(jnp.float32)
-        amax = jnp.max(jnp.abs(x32), axis=1, keepdims=True)
-        x_scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-        product = jnp.dot((x32 / x_scale).astype(jnp.float8_e4m3fn), w, preferred_element_type=jnp.float32)
-        product = product * x_scale
+        xq, x_scale = quantize_rows(x)
+        product = jnp.dot(xq, w, preferred_element_type=jnp.float32) * x_scale
     elif x.dtype == jnp.float8_e4m3fn:   # rows quantized before the kernel, their scales applied after it
         product = jnp.dot(x, w, preferred_element_type=jnp.float32)
     else:   # 8-bit values convert exactly to x's dtype; plain weights meet x in the wider of the two

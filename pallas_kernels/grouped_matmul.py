@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.pallas_kernels.block_matmul import FP8_MAX, block_product, tile
+from jaxinfer.pallas_kernels.block_matmul import block_product, quantize_rows, tile
 
 
 def fits(k: int, n: int, block: int | None = None) -> bool:
@@ -113,10 +113,8 @@ def grouped_matmul(xs: jax.Array, values: jax.Array, scale: jax.Array | None, si
                                per_block=per_block, fp8_activations=fp8_activations)
     operands = [xs, values, *(() if scale is None else (scale,))]
     if fp8_activations and not per_block:   # per row over all of K: the rows quantized once, here
-        x32 = xs.astype(jnp.float32)
-        amax = jnp.max(jnp.abs(x32), axis=1, keepdims=True)
-        row_scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-        operands = [(x32 / row_scale).astype(jnp.float8_e4m3fn), *operands[1:], row_scale]
+        xq, row_scale = quantize_rows(xs)
+        operands = [xq, *operands[1:], row_scale]
     return pl.pallas_call(   # a tile's rows start anywhere: its loads and stores are masked to its group
         kernel,
         grid=(num_tiles, cols // block_n),

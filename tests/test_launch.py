@@ -168,7 +168,6 @@ def test_missing_model_exits_2(cache):
     assert "Traceback" not in r.stderr
 
 
-
 @pytest.mark.skipif(os.path.exists("/proc/driver/nvidia"), reason="a GPU host: the CUDA plugin's check is wanted")
 def test_jax_starts_without_a_traceback_on_a_host_without_a_gpu():
     """The CUDA plugin installed to compile for GPUs (jaxinfer.device.gpu_target) checks the CUDA libraries as JAX
