@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import time
 from typing import Any
 
 import jax
@@ -49,6 +50,31 @@ class Job:
             return
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts talk over TCP
         jax.distributed.initialize(self.coordinator, num_processes=self.num_processes, process_id=self.process_id)
+        if self.process_id == 0:
+            _stop_service_last()
+
+
+class _LingeringService:
+    """The coordination service, stopped `grace_s` after it is asked to stop."""
+
+    def __init__(self, service: Any, grace_s: float) -> None:
+        self.service, self.grace_s = service, grace_s
+
+    def shutdown(self) -> None:
+        time.sleep(self.grace_s)
+        self.service.shutdown()
+
+
+def _stop_service_last(grace_s: float = 1.0) -> None:
+    """Process 0 hosts the job's coordination service, and JAX's exit handler destroys its gRPC server the moment
+    the shutdown barrier passes. RPCs still settling then (the clients' cancelled error polls, a last heartbeat)
+    can abort process 0 in gRPC (`Check failed: queue.Pop() == nullptr`) after the job's work is done. So the
+    service outlives the barrier by `grace_s`."""
+    from jax._src import distributed as jax_distributed  # the service has no public handle
+
+    state = jax_distributed.global_state
+    if state.service is not None and not isinstance(state.service, _LingeringService):
+        state.service = _LingeringService(state.service, grace_s)
 
 
 def _integer(what: str, flag: int | None, env: str | None, default: int) -> int:
