@@ -100,6 +100,7 @@ class Plan:
     platform: str                  # JAX_PLATFORMS of the kernel tests
     kernel_tests: tuple[str, ...]  # pytest arguments
     items: tuple[tuple[int, str], ...]  # (batch, attention backend[+weight quantization]) in the order they run
+    profiled: tuple[str, ...]      # the backends whose smallest batch is traced once more (jax.profiler)
     prompt_len: int
     max_tokens: int
     num_pages: int                 # KV pages per engine: every batch's sequences at full length, and room
@@ -117,6 +118,7 @@ GPU = Plan(
     name="gpu", model=LLAMA3_8B, model_label="Llama-3-8B shape", dtype="bfloat16", platform="cuda",
     kernel_tests=KERNEL_TESTS, items=((1, "pallas"), (1, "pallas+fp8"), (1, "pallas+int8"), (1, "xla"),
                                       *((b, k) for b in (32, 128) for k in ("pallas", "xla"))),
+    profiled=("pallas", "pallas+fp8", "pallas+int8", "xla"),
     prompt_len=128, max_tokens=64,
     num_pages=2048, bandwidth_mib=2048,
     serving=("--num-requests", "32", "--prompt-len-range", "64", "128", "--output-len-range", "32", "64",
@@ -130,7 +132,8 @@ DRY_RUN = Plan(
     name="dry-run", model=DEFAULT, model_label="embedded default shape", dtype="float32", platform="cpu",
     kernel_tests=(*KERNEL_TESTS, "-k", "test_reference_and_kernel and gqa3 or test_kernel_matches_reference and "
                   "float32-1"),
-    items=((1, "pallas"), (1, "xla"), (2, "xla"), (1, "xla+int8")), prompt_len=1, max_tokens=8, num_pages=64,
+    items=((1, "pallas"), (1, "xla"), (2, "xla"), (1, "xla+int8")), profiled=("pallas",), prompt_len=1,
+    max_tokens=8, num_pages=64,
     bandwidth_mib=8,
     serving=("--num-requests", "1", "--prompt-len-range", "1", "1", "--output-len-range", "4", "4",
              "--num-pages", "64"),
@@ -348,7 +351,8 @@ def decode(plan: Plan, clock: Clock, report: Report) -> None:
                                         "wall_seconds": cost[backend]})
                 if "+" in backend:   # quantized weights: what XLA transposes or copies of them each step
                     part["results"][-1]["one_byte_copies"] = one_byte_copies(llm.engine.runner.last["decode"].as_text())
-                if batch == min(b for b, k in plan.items if k == backend) and clock.left("decode") > cost[backend]:
+                smallest = batch == min(b for b, k in plan.items if k == backend)
+                if backend in plan.profiled and smallest and clock.left("decode") > cost[backend]:
                     traces = report.outdir / "traces" / f"{backend}-b{batch}"
                     options = NO_CUDA_GRAPHS if backend == "pallas" else None   # the headline's kernels seen
                     part["results"][-1]["ops"] = guarded(part, f"{backend} batch {batch}: profile", profile_decode,
