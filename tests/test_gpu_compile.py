@@ -147,9 +147,11 @@ def test_experts_on_an_h100_are_read_as_stored(h100, quantization, batch):
     """Each of the experts' products is one call of the grouped matmul kernel, which reads the experts the rows
     chose where they lie: no array as large as one expert's gate/up weight is written per step (XLA's
     ragged_dot wrote [experts, rows, K] masked copies of the rows, 955 MiB per step for Qwen3-30B-A3B's 4 first
-    layers at batch 32; dequantized first, every quantized expert was copied in bfloat16 each step)."""
+    layers at batch 32; dequantized first, every quantized expert was copied in bfloat16 each step). The router's
+    product is a GEMM too: one row's, strength-reduced, wrote [embed, experts] in float32 (2 MiB at 128 experts)."""
     moe = dataclasses.replace(config_from_dict({**BENCH_MOE_100M, "hidden_size": 4096, "intermediate_size": 2048,
-                                                "num_attention_heads": 32, "num_key_value_heads": 8}),
+                                                "num_attention_heads": 32, "num_key_value_heads": 8,
+                                                "num_local_experts": 128}),
                               num_layers=1)   # attention at 8B's width: its one-row products stay GEMMs
     engine = layout_engine(moe, MeshConfig(), jnp.bfloat16, EngineConfig(quantization=quantization), batch, h100)
     gate_up = engine.runner.weights.layers[0].weights.mlp.gate_up
@@ -158,6 +160,8 @@ def test_experts_on_an_h100_are_read_as_stored(h100, quantization, batch):
     hlo = step_program(engine, decode_shape(engine, batch)).as_text()
     writes = written_arrays(hlo)
     assert max(writes.values()) < one_expert, writes.most_common(2)
+    router = f"{moe.hidden_size},{moe.num_experts}]"
+    assert not [shape for _, shape in writes if router in shape], writes.most_common(2)
     kernels = [line for line in hlo.splitlines() if "__gpu$xla.gpu.triton" in line and "grouped_matmul" in line]
     assert len(kernels) == 2   # gate/up and down
     rows = [re.search(r"operand_layout_constraints=\{s32\[[\d,]+\]\{[\d,]+\}, (\w+)\[", k).group(1) for k in kernels]

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer import sharding
 from jaxinfer.collectives import collective_report
-from jaxinfer.device.moe import moe, moe_reference
+from jaxinfer.device.moe import moe, moe_reference, route
 from jaxinfer.mesh import MeshConfig
 from jaxinfer.quant import QuantArray
 from jaxinfer.sharding import Layout
@@ -262,6 +262,21 @@ def test_the_gpu_kernel_route_matches_the_reference(monkeypatch, mesh, qtype, bl
     y, y_ref = quantized_experts_run(mesh, block, top_k, e=32, m=32, qtype=qtype)
     assert len(calls) == 2 and all(call["interpret"] for call in calls)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("valid", [True, False])
+def test_a_lone_row_routed_as_two_is_routed_as_itself(valid):
+    """GPUs route one row padded to two (its router product a GEMM): the padding is invalid, so the row's
+    experts and the expert counts are its own, and its weights too, to the rounding of a GEMM's sums."""
+    x, router, *_ = make_inputs(1, 16, 24, 8, seed=3)
+    one, alone = x[:, :1], jnp.full((1, 1), valid)
+    (weights, experts, counts), (weights1, experts1, counts1) = (
+        route(one, router, alone, top_k=2, normalize=True, min_rows=rows) for rows in (2, 1))
+    assert weights.shape == weights1.shape and experts.shape == experts1.shape == (1, 1, 2)
+    np.testing.assert_array_equal(experts, experts1)
+    np.testing.assert_array_equal(counts, counts1)
+    assert int(counts.sum()) == 2 * valid
+    np.testing.assert_allclose(weights, weights1, rtol=1e-5, atol=0)
 
 
 def test_moe_refuses_experts_not_divisible_by_ep():

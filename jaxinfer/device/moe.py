@@ -58,9 +58,18 @@ WEIGHTS_IN, WEIGHTS_OUT = ("experts", "embed", "mlp", None), ("experts", "mlp", 
 KERNEL_PLATFORMS = ("gpu",)   # where the experts go through the grouped matmul kernel (elsewhere interpreted)
 
 
-def route(x: jax.Array, router: jax.Array, valid: jax.Array, *, top_k: int,
-          normalize: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """HF routing of x [R, N, E]: (weights [R, N, k] in x's dtype, experts int32 [R, N, k], counts [R, X])."""
+def route(x: jax.Array, router: jax.Array, valid: jax.Array, *, top_k: int, normalize: bool,
+          min_rows: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """HF routing of x [R, N, E]: (weights [R, N, k] in x's dtype, experts int32 [R, N, k], counts [R, X]).
+
+    Fewer than `min_rows` rows are padded with invalid ones: on GPUs two rows keep the router's product a GEMM
+    (one row's is strength-reduced and written out whole, [E, X] in float32: see device.matmul.model_matmul)."""
+    r, n = valid.shape
+    if r * n < min_rows:
+        pad = ((0, 0), (0, -(-min_rows // r) - n))
+        weights, experts, counts = route(jnp.pad(x, (*pad, (0, 0))), router, jnp.pad(valid, pad), top_k=top_k,
+                                         normalize=normalize)
+        return weights[:, :n], experts[:, :n], counts
     # The gate's logits are rounded to the model dtype before the float32 softmax, as in transformers
     # (a no-op for float32; for bfloat16 it keeps near-tied top-k choices identical to the reference).
     logits = jnp.dot(x, router.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
@@ -219,7 +228,8 @@ def moe(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array
 
     def local(x, valid, router, w_gate_up, w_down):
         r, n, embed = x.shape
-        weights, experts, counts = route(x, router, valid, top_k=top_k, normalize=normalize)
+        weights, experts, counts = route(x, router, valid, top_k=top_k, normalize=normalize,
+                                         min_rows=2 if layout.platform == "gpu" else 1)
         cap = r * n * top_k  # C: one slot per assignment, to every rank
         # 2. dispatch: sorted by global expert = grouped by owner, then by local expert; padding sorts last.
         flat = jnp.where(valid[..., None], experts, num_experts).reshape(cap)
