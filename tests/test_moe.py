@@ -228,10 +228,11 @@ def quantized_experts_run(mesh: MeshConfig, block: int | None, top_k: int, e: in
 
 
 @pytest.mark.parametrize("mesh,block,top_k", [
-    (MeshConfig(tp=2), 12, 12),  # 96 rows for 16 experts: one ragged_dot, dequantized; down's 24 rows split at 12
+    (MeshConfig(tp=2), 12, 12),  # 96 rows for 16 experts: in tiles, per expert; down's 24 rows split at 12
     (MeshConfig(tp=2), 12, 2),   # 16 rows: each row its own expert, its own device's blocks of down
     (MeshConfig(tp=2), 16, 1),   # down's 24 rows split inside a block: dequantized on each device
     (MeshConfig(), 8, 1),        # one device, whole blocks
+    (MeshConfig(ep=2), None, 6),  # per channel: 48 rows a device for its 8 experts, in tiles
 ], ids=str)
 def test_block_quantized_experts_match_the_reference(mesh, block, top_k):
     """Experts with int8 values and one scale per `block` rows of each contraction (gate/up's 16 rows in

@@ -85,8 +85,8 @@ Mixture-of-experts models (--preset moe, or any --model whose config has experts
   difference of llm.engine.expert_load totals, read through ExpertLoad.report()); 1.0 is perfect balance.
 - MBU: W counts the experts a decode step reads: with fewer rows per device (assignments, padded slots
   included) than local experts each row reads its own expert's weights (jaxinfer.device.moe), so a share
-  rows / experts of them; with more, one grouped product over every local expert (XLA:CPU lowers ragged_dot
-  to a dense dot over all of them).
+  rows / experts of them; with more, all of them (the experts with rows each run their rows in tiles, and
+  uniform routing leaves few idle).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ token is ever dropped whatever the routing):
    within an owner by local expert, and write them compacted into a fixed [ep, C, .] send buffer;
 3. all-to-all over ep (tiled: split axis 0 = destination, concat axis 0 = source); 4. sort what arrived
    by local expert and run it through the local experts, gate and up in one (`_grouped`): on GPUs the
-   Pallas grouped matmul, elsewhere `lax.ragged_dot`, or, with fewer rows than experts, each row through
-   its own expert's weights; 5.
+   Pallas grouped matmul, elsewhere each expert's rows in tiles (`_tiled`), or, with fewer rows than
+   experts, each row through its own expert's weights; 5.
    all-to-all back to the source slots; 6. weight and sum the k choices; 7. one psum over tp (each tp
    rank holds a partial down-projection), none at tp=1. Counts are a local histogram, returned sharded
    like the tokens.
@@ -32,10 +32,8 @@ The analytical minimum is n * k * E * b each way (what a ragged all-to-all would
 buffers cost ep times that. Where ep == 1 both all-to-alls are trivial and are not emitted. The combine
 payload also travels as an unsigned-int view, so bf16 stays 2 bytes on the wire (see step 5).
 
-`lax.ragged_dot` rows beyond sum(group_sizes): on CPU they come out exactly 0 (XLA lowers it to a dense
-dot over a `select`-masked [groups, rows, k] operand, so even NaN there does not leak); other backends
-do not promise this, so empty slots are sorted last (id x_local, outside every group) and their outputs
-are masked with `where` regardless.
+Empty slots are sorted last (id x_local, outside every group) and their outputs masked with `where`, whatever
+the grouped product leaves in rows beyond sum(group_sizes).
 """
 
 from __future__ import annotations
@@ -113,12 +111,11 @@ def _grouped(xs: jax.Array, w: jax.Array | QuantArray, sizes: jax.Array, expert:
     fp8 tensor cores (Triton converts float8 on those only), on fp8 activations as a dense fp8 weight is
     (jaxinfer.quant.fp8_matmul: per row and block for block-wise scales, per row for per-channel ones).
     Elsewhere, with fewer rows than experts (a decode step): each row times its own expert's weight
-    (`_per_row`), so a step reads the experts its rows chose; XLA's `lax.ragged_dot` multiplies every expert
-    by a masked copy of the rows, reading all X. More rows: one ragged_dot. Experts quantized per channel go
-    into it as their values converted to xs's dtype, the product accumulated in float32 and each row scaled
-    by its expert's scales, as jaxinfer.quant.matmul does for a dense weight. Block-wise scales vary along K:
-    in a ragged_dot those experts are dequantized first, 5 bytes moved per 1-byte weight (read, written in
-    bfloat16, read back), so they take the rows' own experts up to 5X rows."""
+    (`_per_row`), so a step reads the experts its rows chose. More rows: each expert's rows in tiles
+    (`_tiled`). Block-wise experts take the rows' own experts up to 5X rows, where converting each chosen
+    expert to float32 (5 bytes moved per 1-byte weight) would cost more than reading it once per row.
+    XLA's `lax.ragged_dot` is no alternative off GPUs: XLA:CPU multiplies every expert by a masked copy of
+    all the rows, X times the work (8.6x a dense product of the rows at X = 8)."""
     blockwise = isinstance(w, QuantArray) and w.scale.shape[1] > 1
     if _kernel_takes(w, layout):
         values, scale = (w.values, w.scale) if isinstance(w, QuantArray) else (w, None)
@@ -130,13 +127,36 @@ def _grouped(xs: jax.Array, w: jax.Array | QuantArray, sizes: jax.Array, expert:
             interpret=layout.platform != "gpu")
     if xs.shape[0] < w.shape[0] * (5 if blockwise else 1):
         return _per_row(xs, w, expert)
-    if not isinstance(w, QuantArray):
-        return lax.ragged_dot(xs, w.reshape(*w.shape[:2], -1), sizes)
-    if blockwise:
-        return lax.ragged_dot(xs, w.dequantize(xs.dtype).reshape(*w.shape[:2], -1), sizes)
-    y = lax.ragged_dot(xs, w.values.astype(xs.dtype).reshape(*w.shape[:2], -1), sizes,
-                       preferred_element_type=jnp.float32)
-    return (y * w.scale.reshape(w.shape[0], -1)[expert]).astype(xs.dtype)
+    return _tiled(xs, w, sizes)
+
+
+def _tiled(xs: jax.Array, w: jax.Array | QuantArray, sizes: jax.Array) -> jax.Array:
+    """xs [n, K] (grouped by expert, `sizes` rows each) times w [X, K, *out] -> [n, prod(out)] in xs's dtype,
+    rows past the groups 0: a loop over the experts that have rows, each converted to float32 once and
+    multiplied by its rows a tile at a time (the last tile masked where it runs into the next group). The work
+    is the rows' own plus at most a tile per expert, and a step reads the experts its rows chose."""
+    n, k = xs.shape
+    tile = min(64, 1 << max(3, (n // sizes.shape[0] - 1).bit_length()))   # about the rows per expert
+    starts = jnp.cumsum(sizes) - sizes
+    padded = jnp.pad(xs, ((0, tile), (0, 0)))      # the last group's last tile stays in bounds
+
+    def expert(g, out):
+        weight = jax.tree.map(lambda a: a[g], w)
+        weight = (weight.dequantize() if isinstance(weight, QuantArray) else weight.astype(jnp.float32))
+
+        def tile_of_rows(t, out):
+            first = starts[g] + t * tile
+            rows = lax.dynamic_slice_in_dim(padded, first, tile).astype(jnp.float32)
+            y = jnp.dot(rows, weight.reshape(k, -1), precision=lax.Precision.HIGHEST).astype(out.dtype)
+            mine = (jnp.arange(tile) < sizes[g] - t * tile)[:, None]
+            return lax.dynamic_update_slice_in_dim(
+                out, jnp.where(mine, y, lax.dynamic_slice_in_dim(out, first, tile)), first, 0)
+
+        return lax.fori_loop(0, -(-sizes[g] // tile), tile_of_rows, out)
+
+    out = jnp.zeros((n + tile, math.prod(w.shape[2:])), xs.dtype)
+    return lax.fori_loop(0, sizes.shape[0], lambda g, out: lax.cond(sizes[g] > 0, expert, lambda g, o: o, g, out),
+                         out)[:n]
 
 
 def _kernel_takes(w: jax.Array | QuantArray, layout: Layout) -> bool:

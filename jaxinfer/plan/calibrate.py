@@ -119,7 +119,7 @@ def calibrate(devices: int) -> DeviceKind:
                       link_bandwidth=f.get("link_bandwidth", 1e12), link_latency=f.get("link_latency", 0.0),
                       step_overhead=f["step_overhead"],
                       source=f"calibrated {time.strftime('%Y-%m-%d')} on {os.cpu_count()} cores, {devices} devices",
-                      shared=True, dense_experts=True)
+                      shared=True)
     path = calibration_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     stored = json.loads(path.read_text()) if path.is_file() else {}

@@ -35,9 +35,6 @@ class DeviceKind:
     source: str                   # where the figures come from
     shared: bool = False          # the devices share one host's cores and memory (fake CPU devices): the memory
                                   # bandwidth and matmul rates above are the host's, split over a mesh's devices
-    dense_experts: bool = False   # lax.ragged_dot runs densely over every local expert (XLA:CPU lowers it to a
-                                  # masked dense dot), so an MoE layer costs all its experts' FLOPs per routed token
-                                  # and reads them all, where the engine takes it (roofline.runs_experts_densely)
 
     def rate(self, weight_dtype: str) -> float:
         """Matmul rate for weights of this dtype; a dtype the device has no units for runs at bfloat16's."""
@@ -84,8 +81,7 @@ def calibration_path() -> Path:
 CPU_DEFAULT = DeviceKind("cpu", 3.16 * GB, 19.9 * GB, {"float32": 101e9, "bfloat16": 110e9, "int8": 110e9,
                                                        "fp8": 110e9},
                          link_bandwidth=1.10 * GB, link_latency=645e-6, step_overhead=3.36e-3,
-                         source="defaults: a 2-core development machine, 8 fake devices", shared=True,
-                         dense_experts=True)
+                         source="defaults: a 2-core development machine, 8 fake devices", shared=True)
 
 
 def device_kind(name: str, devices: int) -> DeviceKind:

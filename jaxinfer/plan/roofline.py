@@ -52,35 +52,23 @@ def collective_seconds(report: Report, device: DeviceKind) -> float:
                + BUS_FACTOR.get(k, 1.0) * report[k]["bytes"] / device.link_bandwidth for k in KINDS)
 
 
-def matmul_flops_per_token(cfg: ModelConfig, layers: int, dense_experts: bool = False) -> float:
-    """Weight FLOPs per token of `layers` layers (the MoE layers at their routed experts, or at every expert for
-    each routed one where the grouped matmul runs densely: DeviceKind.dense_experts), embedding excluded."""
+def matmul_flops_per_token(cfg: ModelConfig, layers: int) -> float:
+    """Weight FLOPs per token of `layers` layers (the MoE layers at their routed experts), embedding excluded."""
     e, d = cfg.hidden_size, cfg.head_dim
     attention = 2 * e * d * (cfg.num_heads + 2 * cfg.num_kv_heads) + 2 * cfg.num_heads * d * e
     share = layers / cfg.num_layers
     dense = len(cfg.mlp_layers) * 2 * 3 * e * cfg.intermediate_size
-    experts = cfg.experts_per_token * (cfg.num_experts if dense_experts else 1)
-    moe = len(cfg.moe_layers) * (2 * 3 * e * cfg.moe_intermediate_size * experts + 2 * e * cfg.num_experts)
+    moe = len(cfg.moe_layers) * (2 * 3 * e * cfg.moe_intermediate_size * cfg.experts_per_token
+                                 + 2 * e * cfg.num_experts)
     return share * (cfg.num_layers * attention + dense + moe)
 
 
-def runs_experts_densely(cfg: ModelConfig, mesh: MeshConfig, device: DeviceKind, tokens: float) -> bool:
-    """Whether a call of `tokens` per replica runs the experts densely: on a device kind whose grouped matmul
-    is dense (XLA:CPU's lax.ragged_dot), which the engine takes once the rows a device's experts receive
-    (ep x tokens / sp x top-k, jaxinfer.device.moe) are as many as its local experts; fewer, and each row
-    meets its own expert's weight."""
-    rows = mesh.ep * tokens / mesh.sp * cfg.experts_per_token
-    return device.dense_experts and bool(cfg.num_experts) and rows >= cfg.num_experts / mesh.ep
-
-
-def expert_share(cfg: ModelConfig, mesh: MeshConfig, device: DeviceKind, tokens: float,
-                 routed: float | None = None) -> float:
+def expert_share(cfg: ModelConfig, mesh: MeshConfig, tokens: float, routed: float | None = None) -> float:
     """The expected share of a device's expert weights one call of `tokens` per replica (its bucket, padding
     included; `routed` of them real, default all) reads: an expert is read when one of the tokens its ep
-    group routes (ep x routed / sp, top-k of X each, routing taken as uniform) chose it, 1 - (1 - k / X)^that;
-    all of them where they run densely. A decode step of one sequence of Qwen3-30B-A3B (8 of 128 experts)
-    reads 6% of them, a prefill chunk all."""
-    if not cfg.num_experts or runs_experts_densely(cfg, mesh, device, tokens):
+    group routes (ep x routed / sp, top-k of X each, routing taken as uniform) chose it, 1 - (1 - k / X)^that.
+    A decode step of one sequence of Qwen3-30B-A3B (8 of 128 experts) reads 6% of them, a prefill chunk all."""
+    if not cfg.num_experts:
         return 1.0
     routed = tokens if routed is None else routed
     return 1 - (1 - cfg.experts_per_token / cfg.num_experts) ** (mesh.ep * routed / mesh.sp)
@@ -98,10 +86,9 @@ def step_seconds(cfg: ModelConfig, mesh: MeshConfig, device: DeviceKind, weight_
     it reads (split over sp), `sampled` rows through the LM head (split over tp)."""
     layers = math.ceil(cfg.num_layers / mesh.pp)
     per_device = tokens / mesh.sp
-    flops = (per_device * (matmul_flops_per_token(cfg, layers, runs_experts_densely(cfg, mesh, device, tokens))
-                           + attention_flops_per_token(cfg, layers, context))
+    flops = (per_device * (matmul_flops_per_token(cfg, layers) + attention_flops_per_token(cfg, layers, context))
              / mesh.tp + 2 * sampled * cfg.hidden_size * cfg.vocab_size / mesh.tp)
-    weights = held.weight_bytes - held.expert_bytes * (1 - expert_share(cfg, mesh, device, tokens, routed))
+    weights = held.weight_bytes - held.expert_bytes * (1 - expert_share(cfg, mesh, tokens, routed))
     read = weights + seqs * context / mesh.sp * held.kv_bytes_per_token
     share = mesh.size if device.shared else 1    # fake CPU devices split the host's rates
     return (share * max(flops / device.rate(weight_dtype), read / device.memory_bandwidth) + collectives
