@@ -142,8 +142,8 @@ def test_blocks_a_tp_split_cuts_are_dequantized_where_they_are(cfg):
     assert report["all-gather"]["bytes"] < 1 << 20, report
 
 
-@pytest.mark.parametrize(("quantization", "batch"), [(None, 8), ("fp8", 1)])
-def test_experts_on_an_h100_are_read_as_stored(h100, quantization, batch):
+@pytest.mark.parametrize(("quantization", "batch", "experts"), [(None, 8, 8), ("fp8", 1, 128)])
+def test_experts_on_an_h100_are_read_as_stored(h100, quantization, batch, experts):
     """Each of the experts' products is one call of the grouped matmul kernel, which reads the experts the rows
     chose where they lie: no array as large as one expert's gate/up weight is written per step (XLA's
     ragged_dot wrote [experts, rows, K] masked copies of the rows, 955 MiB per step for Qwen3-30B-A3B's 4 first
@@ -151,7 +151,7 @@ def test_experts_on_an_h100_are_read_as_stored(h100, quantization, batch):
     product is a GEMM too: one row's, strength-reduced, wrote [embed, experts] in float32 (2 MiB at 128 experts)."""
     moe = dataclasses.replace(config_from_dict({**BENCH_MOE_100M, "hidden_size": 4096, "intermediate_size": 2048,
                                                 "num_attention_heads": 32, "num_key_value_heads": 8,
-                                                "num_local_experts": 128}),
+                                                "num_local_experts": experts}),
                               num_layers=1)   # attention at 8B's width: its one-row products stay GEMMs
     engine = layout_engine(moe, MeshConfig(), jnp.bfloat16, EngineConfig(quantization=quantization), batch, h100)
     gate_up = engine.runner.weights.layers[0].weights.mlp.gate_up
