@@ -228,11 +228,11 @@ def quantized_experts_run(mesh: MeshConfig, block: int | None, top_k: int, e: in
 
 
 @pytest.mark.parametrize("mesh,block,top_k", [
-    (MeshConfig(tp=2), 12, 12),  # 96 rows for 16 experts: in tiles, per expert; down's 24 rows split at 12
-    (MeshConfig(tp=2), 12, 2),   # 16 rows: each row its own expert, its own device's blocks of down
+    (MeshConfig(tp=2), 12, 12),  # 96 rows for 16 experts; down's 24 rows split at 12
+    (MeshConfig(tp=2), 12, 2),   # 16 rows: each device's own blocks of down
     (MeshConfig(tp=2), 16, 1),   # down's 24 rows split inside a block: dequantized on each device
     (MeshConfig(), 8, 1),        # one device, whole blocks
-    (MeshConfig(ep=2), None, 6),  # per channel: 48 rows a device for its 8 experts, in tiles
+    (MeshConfig(ep=2), None, 6),  # per channel: 48 rows a device for its 8 experts
 ], ids=str)
 def test_block_quantized_experts_match_the_reference(mesh, block, top_k):
     """Experts with int8 values and one scale per `block` rows of each contraction (gate/up's 16 rows in
@@ -263,6 +263,33 @@ def test_the_gpu_kernel_route_matches_the_reference(monkeypatch, mesh, qtype, bl
     y, y_ref = quantized_experts_run(mesh, block, top_k, e=32, m=32, qtype=qtype)
     assert len(calls) == 2 and all(call["interpret"] for call in calls)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("qtype,block", [(None, None), ("int8", None), ("int8", 8), ("fp8", 8)], ids=str)
+def test_each_row_through_its_expert_equals_the_tiles(qtype, block):
+    """The grouped product's two forms off the kernel, on the same rows (some experts empty, rows past the
+    groups): each row times its own expert (GPUs, for shapes the kernel does not tile) and each expert's rows
+    in tiles (elsewhere), both against the dequantized experts' ragged_dot."""
+    from jaxinfer.device.moe import _per_row, _tiled
+
+    rng = np.random.default_rng(7)
+    x_, k, n = 6, 24, 10
+    sizes = jnp.asarray([3, 0, 9, 1, 0, 4], jnp.int32)
+    rows = int(sizes.sum()) + 3                                   # three empty slots last
+    expert = jnp.minimum(jnp.repeat(jnp.arange(x_), sizes, total_repeat_length=rows), x_ - 1)
+    xs = jnp.asarray(rng.normal(size=(rows, k)), jnp.float32)
+    if qtype is None:
+        w = plain = jnp.asarray(rng.normal(size=(x_, k, n)), jnp.float32)
+    else:
+        blk = block or k
+        values = (rng.integers(-127, 128, size=(x_, k, n)) if qtype == "int8" else rng.normal(size=(x_, k, n)) * 40)
+        w = QuantArray(jnp.asarray(values, jnp.int8 if qtype == "int8" else jnp.float8_e4m3fn),
+                       jnp.asarray(rng.uniform(1e-3, 2e-3, size=(x_, -(-k // blk), n)), jnp.float32), out=1, block=blk)
+        plain = w.dequantize()
+    want = jax.lax.ragged_dot(xs, plain, sizes, precision=jax.lax.Precision.HIGHEST)
+    valid = np.arange(rows) < int(sizes.sum())
+    np.testing.assert_allclose(np.asarray(_tiled(xs, w, sizes)), want, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(_per_row(xs, w, expert))[valid], np.asarray(want)[valid], atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("valid", [True, False])

@@ -17,8 +17,7 @@ token is ever dropped whatever the routing):
    within an owner by local expert, and write them compacted into a fixed [ep, C, .] send buffer;
 3. all-to-all over ep (tiled: split axis 0 = destination, concat axis 0 = source); 4. sort what arrived
    by local expert and run it through the local experts, gate and up in one (`_grouped`): on GPUs the
-   Pallas grouped matmul, elsewhere each expert's rows in tiles (`_tiled`), or, with fewer rows than
-   experts, each row through its own expert's weights; 5.
+   Pallas grouped matmul, elsewhere each expert's rows in tiles (`_tiled`); 5.
    all-to-all back to the source slots; 6. weight and sum the k choices; 7. one psum over tp (each tp
    rank holds a partial down-projection), none at tp=1. Counts are a local histogram, returned sharded
    like the tokens.
@@ -110,12 +109,12 @@ def _grouped(xs: jax.Array, w: jax.Array | QuantArray, sizes: jax.Array, expert:
     it reads the experts the rows chose, as stored, and writes only its output; fp8 ones only where the GPU has
     fp8 tensor cores (Triton converts float8 on those only), on fp8 activations as a dense fp8 weight is
     (jaxinfer.quant.fp8_matmul: per row and block for block-wise scales, per row for per-channel ones).
-    Elsewhere, with fewer rows than experts (a decode step): each row times its own expert's weight
-    (`_per_row`), so a step reads the experts its rows chose. More rows: each expert's rows in tiles
-    (`_tiled`). Block-wise experts take the rows' own experts up to 5X rows, where converting each chosen
-    expert to float32 (5 bytes moved per 1-byte weight) would cost more than reading it once per row.
-    XLA's `lax.ragged_dot` is no alternative off GPUs: XLA:CPU multiplies every expert by a masked copy of
-    all the rows, X times the work (8.6x a dense product of the rows at X = 8)."""
+    Elsewhere each expert's rows in tiles (`_tiled`): a step reads the experts its rows chose. On CPU that
+    beats each row times its own gathered expert (`_per_row`) even at a decode step's few rows (4x at 8 rows
+    of 128 experts: XLA:CPU copies each row's expert out); GPUs keep `_per_row` for the shapes the kernel does
+    not tile below X rows (5X for block-wise experts), where XLA:GPU fuses the gather into the reduction and
+    a loop would launch kernels per expert. XLA's `lax.ragged_dot` is no alternative: it multiplies every
+    expert by a masked copy of all the rows, X times the work (8.6x a dense product of the rows at X = 8)."""
     blockwise = isinstance(w, QuantArray) and w.scale.shape[1] > 1
     if _kernel_takes(w, layout):
         values, scale = (w.values, w.scale) if isinstance(w, QuantArray) else (w, None)
@@ -125,14 +124,14 @@ def _grouped(xs: jax.Array, w: jax.Array | QuantArray, sizes: jax.Array, expert:
             xs, values, scale, sizes, block=w.block if blockwise else None,
             fp8_activations=scale is not None and values.dtype == jnp.float8_e4m3fn,
             interpret=layout.platform != "gpu")
-    if xs.shape[0] < w.shape[0] * (5 if blockwise else 1):
+    if layout.platform == "gpu" and xs.shape[0] < w.shape[0] * (5 if blockwise else 1):
         return _per_row(xs, w, expert)
     return _tiled(xs, w, sizes)
 
 
 def _tiled(xs: jax.Array, w: jax.Array | QuantArray, sizes: jax.Array) -> jax.Array:
     """xs [n, K] (grouped by expert, `sizes` rows each) times w [X, K, *out] -> [n, prod(out)] in xs's dtype,
-    rows past the groups 0: a loop over the experts that have rows, each converted to float32 once and
+    rows past the groups 0: a loop over the experts that have rows (only those), each converted to float32 once and
     multiplied by its rows a tile at a time (the last tile masked where it runs into the next group). The work
     is the rows' own plus at most a tile per expert, and a step reads the experts its rows chose."""
     n, k = xs.shape
@@ -155,8 +154,8 @@ def _tiled(xs: jax.Array, w: jax.Array | QuantArray, sizes: jax.Array) -> jax.Ar
         return lax.fori_loop(0, -(-sizes[g] // tile), tile_of_rows, out)
 
     out = jnp.zeros((n + tile, math.prod(w.shape[2:])), xs.dtype)
-    return lax.fori_loop(0, sizes.shape[0], lambda g, out: lax.cond(sizes[g] > 0, expert, lambda g, o: o, g, out),
-                         out)[:n]
+    chosen = jnp.nonzero(sizes, size=sizes.shape[0])[0]    # the experts with rows, first
+    return lax.fori_loop(0, (sizes > 0).sum(), lambda i, out: expert(chosen[i], out), out)[:n]
 
 
 def _kernel_takes(w: jax.Array | QuantArray, layout: Layout) -> bool:
@@ -184,7 +183,7 @@ def _device_rows(w: jax.Array | QuantArray, axis: str, dtype) -> jax.Array | Qua
 def _per_row(xs: jax.Array, w: jax.Array | QuantArray, expert: jax.Array) -> jax.Array:
     """Row i of xs [n, K] times expert[i]'s weight of w [X, K, *out] -> [n, prod(out)] in xs's dtype, as a
     product and a float32 sum over K, each weight element times its scale (block-wise) or the sum times the
-    column's (per channel). Written so, XLA fuses the gather of each row's weight into one reduction that
+    column's (per channel). Written so, XLA:GPU fuses the gather of each row's weight into one reduction that
     reads it where it lies; as a batched dot of experts this large it copied each row's expert out first."""
     n, k = xs.shape
     x = xs.astype(jnp.float32)[:, :, None]
