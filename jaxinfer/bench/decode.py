@@ -193,8 +193,7 @@ def weight_bytes_read(llm, batch: int | None = None) -> int:
     """W: bytes of every parameter shard on every device (a replicated weight counts once per copy); for a
     decode step of `batch` sequences, only the share of each MoE layer's experts its rows read (module
     docstring)."""
-    import jax
-
+    from jaxinfer.plan.compiled import expert_weights
     from jaxinfer.sharding import device_bytes
 
     devices = list(llm.layout.mesh.devices.flat)
@@ -206,8 +205,7 @@ def weight_bytes_read(llm, batch: int | None = None) -> int:
     local = llm.config.num_experts // ep
     if rows >= local:
         return total
-    experts = [(n.gate_up, n.down) for n in jax.tree.leaves(llm.weights, is_leaf=lambda n: hasattr(n, "router"))
-               if hasattr(n, "router")]
+    experts = expert_weights(llm.weights)
     unread = sum(device_bytes(experts, d) for d in devices) * (1 - rows / local)
     return round(total - unread)
 
