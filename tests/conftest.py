@@ -1,5 +1,6 @@
-"""Eight fake CPU devices, set before JAX starts; the CPU backend compiles without optimisation passes, which
-cuts the suite's compile time by about a fifth (tiny shapes: the programs run in microseconds either way).
+"""Eight fake CPU devices, set before JAX starts; the CPU backend compiles at LLVM -O0, the engine's steps too
+(a level in XLA_FLAGS overrides the engine's -O2), which cuts the suite's compile time by about a third (tiny
+shapes: the programs run in microseconds either way).
 JAX_PLATFORMS=cuda runs the tests on a GPU instead (scripts/gpu_check.sh does so for the kernel tests).
 
 One compilation cache for the run (JAX's and the engine's step executables, jaxinfer.device.compilation_cache):
@@ -240,10 +241,18 @@ def shared_cache(tmp_path_factory, put_cpu_kernel) -> Path:
     return cache
 
 
+def devices_of_its_own(env: Mapping[str, str]) -> dict[str, str]:
+    """env for a child that asks XLA for its own number of CPU devices (the launcher, the server, a process of a
+    two-process job): XLA_FLAGS without the eight fake devices, the rest of it (LLVM at -O0) kept."""
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    return {**env, "XLA_FLAGS": " ".join(flags)}
+
+
 @pytest.fixture(scope="session")
 def subprocess_env(shared_cache) -> Mapping[str, str]:
     """The environment for a jaxinfer child process (read-only: copy it to change it): this one's, with the run's
-    shared JAXINFER_CACHE. It keeps XLA_FLAGS (the eight fake devices): a child that sets up its own drops it."""
+    shared JAXINFER_CACHE. It keeps XLA_FLAGS (the eight fake devices): a child that sets up its own takes
+    devices_of_its_own(subprocess_env)."""
     return MappingProxyType({**os.environ, "JAXINFER_CACHE": str(shared_cache)})
 
 
@@ -255,7 +264,7 @@ def two_processes(subprocess_env) -> Callable[..., dict]:
     import sys
 
     def run(flags: list[str], cwd: Path) -> dict:
-        env = {k: v for k, v in subprocess_env.items() if k != "XLA_FLAGS"}
+        env = devices_of_its_own(subprocess_env)
         env.update(PYTHON=sys.executable, JAX_PLATFORMS="cpu", JAXINFER_LOG_DIR=str(cwd))
         r = subprocess.run(["bash", str(Path(__file__).resolve().parents[1] / "launch" / "local.sh"), "2", *flags],
                            env=env, cwd=cwd, capture_output=True, text=True, timeout=600)

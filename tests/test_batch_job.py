@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+from conftest import devices_of_its_own
 
 from jaxinfer import SamplingParams
 from jaxinfer.launch import main, parse_args
@@ -200,7 +201,7 @@ def test_sigterm_mid_job_then_resume_gives_one_line_per_request(tmp_path, subpro
     items = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": b}
              for i, b in enumerate(bodies)]
     src, out = write_jsonl(tmp_path / "requests.jsonl", items), tmp_path / "results.jsonl"
-    env = {k: v for k, v in subprocess_env.items() if k != "XLA_FLAGS"}
+    env = devices_of_its_own(subprocess_env)
     cmd = [sys.executable, "-m", "jaxinfer.launch", "--input", str(src), "--output", str(out)]
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import devices_of_its_own
 
 from jaxinfer.random_model import DEFAULT
 from jaxinfer.tokenizer import Tokenizer
@@ -22,7 +23,7 @@ def cache(shared_cache):
 
 
 def launch(cache, *args, timeout=300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = devices_of_its_own({k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"})
     env["JAXINFER_CACHE"] = str(cache)
     env["JAX_PLATFORMS"] = "cpu"   # the launcher's fake-device path; an accelerator host would use its own devices
     return subprocess.run([sys.executable, "-m", "jaxinfer.launch", *args], cwd=cache, env=env,

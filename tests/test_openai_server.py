@@ -18,6 +18,7 @@ import numpy as np
 import openai
 import pytest
 import uvicorn
+from conftest import devices_of_its_own
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxinfer import LLM, SamplingParams
@@ -574,7 +575,7 @@ def test_sigterm_aborts_what_outlasts_the_grace_period_then_exits_0(tmp_path, su
     a 200 body with the tokens so far); the server then stops listening and the process exits 0, with no
     traceback in its log."""
     port = free_port()
-    env = {k: v for k, v in subprocess_env.items() if k != "XLA_FLAGS"}
+    env = devices_of_its_own(subprocess_env)
     proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.serve", "--port", str(port), "--grace-period", "1",
                              "--no-warmup"],
                             env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

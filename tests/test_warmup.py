@@ -12,7 +12,7 @@ import pytest
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.device import compilation_cache
 from jaxinfer.device.compilation_cache import compilation_cache_dir
-from jaxinfer.device.runner import ModelRunner
+from jaxinfer.device.runner import ModelRunner, compiler_options
 from jaxinfer.engine.packer import GREEDY as GREEDY_ARRAYS
 from jaxinfer.engine.packer import pack, prefill_sizes
 from jaxinfer.engine.scheduler import ScheduledSequence, SchedulerOutput
@@ -61,6 +61,14 @@ def test_programs_compiled_with_other_options_are_kept_apart(llm):
     assert runner.executables == own and "xla_gpu_enable_command_buffer" not in runner.compiler_options
     assert all(exe in own.values() for exe in runner.last.values())
     assert llm.generate(prompts, GREEDY)[0].token_ids == tokens and runner.executables == own
+
+
+def test_cpu_steps_compile_at_o2_unless_xla_flags_names_a_level(llm, monkeypatch):
+    assert llm.engine.runner.compiler_options == {}          # conftest's XLA_FLAGS name -O0 for every program
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert compiler_options("cpu") == {"xla_backend_optimization_level": 2} and compiler_options("gpu") == {}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=3")
+    assert compiler_options("cpu") == {}
 
 
 def test_a_sequence_wider_than_the_page_table_is_refused():
