@@ -23,7 +23,7 @@ def cache(shared_cache):
 
 
 def launch(cache, *args, timeout=300) -> subprocess.CompletedProcess:
-    env = devices_of_its_own({k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"})
+    env = devices_of_its_own(os.environ)
     env["JAXINFER_CACHE"] = str(cache)
     env["JAX_PLATFORMS"] = "cpu"   # the launcher's fake-device path; an accelerator host would use its own devices
     return subprocess.run([sys.executable, "-m", "jaxinfer.launch", *args], cwd=cache, env=env,

@@ -135,7 +135,7 @@ def cache(shared_cache):
 
 
 def run(cache: Path, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = devices_of_its_own({k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"})
+    env = devices_of_its_own(os.environ)
     env |= {"JAXINFER_CACHE": str(cache), "JAX_PLATFORMS": "cpu"}  # the launcher asks for the devices its --mesh needs
     return subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)

@@ -131,7 +131,7 @@ def _grouped(xs: jax.Array, w: jax.Array | QuantArray, sizes: jax.Array, expert:
 
 def _tiled(xs: jax.Array, w: jax.Array | QuantArray, sizes: jax.Array) -> jax.Array:
     """xs [n, K] (grouped by expert, `sizes` rows each) times w [X, K, *out] -> [n, prod(out)] in xs's dtype,
-    rows past the groups 0: a loop over the experts that have rows (only those), each converted to float32 once and
+    rows past the groups 0: a loop over the experts that have rows, each converted to float32 once and
     multiplied by its rows a tile at a time (the last tile masked where it runs into the next group). The work
     is the rows' own plus at most a tile per expert, and a step reads the experts its rows chose."""
     n, k = xs.shape
