@@ -211,20 +211,23 @@ def cpu_kernel() -> Path | None:
 
 @pytest.fixture(scope="session")
 def put_cpu_kernel(cpu_kernel) -> Callable[[Path], None]:
-    """put_cpu_kernel(cache): the kernel copied (atomically) to cache/kernels under its name, where a child process
-    whose JAXINFER_CACHE is `cache` looks for it before building it: what a machine with a warm cache does (the
-    build itself is tested in test_ragged_paged_attention)."""
+    """put_cpu_kernel(cache): the C++ kernels (attention, quantized matmul) copied (atomically) to cache/kernels
+    under their names, where a child process whose JAXINFER_CACHE is `cache` looks for them before building
+    them: what a machine with a warm cache does (the build itself is tested in test_ragged_paged_attention)."""
     import shutil
+
+    from jaxinfer.device import native, quant_matmul_cpu
 
     def put(cache: Path) -> None:
         if cpu_kernel is None:
             return
-        target = Path(cache) / "kernels" / cpu_kernel.name
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            partial = target.with_name(f"{cpu_kernel.name}.{os.getpid()}.partial")
-            shutil.copyfile(cpu_kernel, partial)
-            os.replace(partial, target)
+        for built in (cpu_kernel, native.build(quant_matmul_cpu.SOURCE)):
+            target = Path(cache) / "kernels" / built.name
+            if not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                partial = target.with_name(f"{built.name}.{os.getpid()}.partial")
+                shutil.copyfile(built, partial)
+                os.replace(partial, target)
 
     return put
 

@@ -192,9 +192,10 @@ def test_compiled_collectives(mesh, dtype):
 
 
 def quantized_experts_run(mesh: MeshConfig, block: int | None, top_k: int, e: int = 16, m: int = 24,
-                          qtype: str | None = "int8"):
+                          qtype: str | None = "int8", backend: str = "xla"):
     """moe on 16 experts with int8 values and one scale per `block` rows of each contraction (None: per output
-    channel; qtype None: plain float32 experts) -> (its output, the reference's on the dequantized weights)."""
+    channel; qtype None: plain float32 experts) on `backend` -> (its output, the reference's on the dequantized
+    weights)."""
     x_ = 16
     x, router, *_, valid = make_inputs(mesh.ep, e, m, x_, seed=block or 0)
     rng = np.random.default_rng(block or 0)
@@ -220,26 +221,30 @@ def quantized_experts_run(mesh: MeshConfig, block: int | None, top_k: int, e: in
               down.replace(values=place(down.values, ("experts", "mlp", "embed")),
                            scale=place(down.scale, ("experts", None, "embed"))),
               place(valid, ("batch", "seq")))
-    y, _ = jax.jit(lambda *a: moe(*a, top_k=top_k, normalize=True, layout=layout))(*placed)
+    y, _ = jax.jit(lambda *a: moe(*a, top_k=top_k, normalize=True, layout=layout, backend=backend))(*placed)
     gate, up, w_down = (v.astype(jnp.float32) * jnp.repeat(s, b, axis=1)[:, : v.shape[1]]
                         for v, s, b in zip(values, scales, blocks, strict=True))
     y_ref, _ = moe_reference(*fused((x, router, gate, up, w_down, valid), 1), top_k=top_k, normalize=True)
     return y, y_ref
 
 
-@pytest.mark.parametrize("mesh,block,top_k", [
-    (MeshConfig(tp=2), 12, 12),  # 96 rows for 16 experts; down's 24 rows split at 12
-    (MeshConfig(tp=2), 12, 2),   # 16 rows: each device's own blocks of down
-    (MeshConfig(tp=2), 16, 1),   # down's 24 rows split inside a block: dequantized on each device
-    (MeshConfig(), 8, 1),        # one device, whole blocks
-    (MeshConfig(ep=2), None, 6),  # per channel: 48 rows a device for its 8 experts
+@pytest.mark.parametrize("mesh,block,top_k,backend", [
+    (MeshConfig(tp=2), 12, 12, "xla"),  # 96 rows for 16 experts; down's 24 rows split at 12
+    (MeshConfig(tp=2), 12, 2, "xla"),   # 16 rows: each device's own blocks of down
+    (MeshConfig(tp=2), 16, 1, "xla"),   # down's 24 rows split inside a block: dequantized on each device
+    (MeshConfig(), 8, 1, "xla"),        # one device, whole blocks
+    (MeshConfig(ep=2), None, 6, "xla"),  # per channel: 48 rows a device for its 8 experts
+    (MeshConfig(tp=2), 12, 12, "cpu"),  # the C++ grouped matmul: each device's own blocks, partial ones too
+    (MeshConfig(ep=2), None, 2, "cpu"),  # ... per channel, most experts without rows
 ], ids=str)
-def test_block_quantized_experts_match_the_reference(mesh, block, top_k):
+def test_block_quantized_experts_match_the_reference(cpu_kernel, mesh, block, top_k, backend):
     """Experts with int8 values and one scale per `block` rows of each contraction (gate/up's 16 rows in
     blocks of 12: a partial last block): each device takes its own rows' scales, in the grouped product or
     in each row's own expert's, and the output is the reference's on the dequantized weights, to float32's
     rounding."""
-    y, y_ref = quantized_experts_run(mesh, block, top_k)
+    if backend == "cpu" and cpu_kernel is None:
+        pytest.skip("no C++ compiler: the engine runs the jnp reference, tested everywhere else")
+    y, y_ref = quantized_experts_run(mesh, block, top_k, backend=backend)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=1e-5, rtol=0)
 
 

@@ -158,3 +158,59 @@ def test_bad_operands_raise_value_errors_naming_the_shapes(f):
         f(x[0], v, scale, block=48)
     with pytest.raises(ValueError, match="block must be a positive int"):
         f(x, v, scale, block=0)
+
+
+GROUPED = {   # (sizes of the groups, rows of x, K, N, block): empty groups, rows past the groups
+    "per_channel": ([3, 0, 4, 1, 0], 10, 200, 37, 200),
+    "blocks_partial": ([0, 2, 5, 0, 6], 13, 100, 70, 48),
+    "decode": ([1, 0, 0, 1, 0, 0, 0, 0], 2, 640, 1025, 128),   # a row per chosen expert, threads splitting K
+    "many_rows": ([40, 0, 17], 57, 160, 301, 64),               # the panel path, columns split over threads
+    "mixed": ([6, 30, 2], 40, 320, 700, 64),                    # K in parts for one, columns for another
+}
+
+
+def make_grouped(sizes, rows, k, n, block, values, x_dtype="float32", seed=0):
+    x, *_ = make(rows, k, n, block, values, x_dtype, seed)
+    per = [make(1, k, n, block, values, seed=seed + 1 + g)[1:] for g in range(len(sizes))]
+    v, scale = (np.stack(a) for a in zip(*per, strict=True))
+    return x, v, scale, np.asarray(sizes, np.int32)
+
+
+def run_grouped(f, x, v, scale, sizes, block):
+    call = jax.jit(functools.partial(f, block=block))
+    return np.asarray(call(*jax.device_put((x, v, scale, sizes), cpu_device())), np.float64)
+
+
+@on_cpu
+@pytest.mark.parametrize("values", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("case", list(GROUPED))
+def test_grouped_kernel_is_each_groups_matmul(kernel, case: str, values: str):
+    """Each group of rows times its own expert, as the single matmul's reference computes it; rows past the
+    groups are 0. The reference itself is the explicit product, row by row."""
+    sizes, rows, k, n, block = GROUPED[case]
+    for x_dtype in ("float32", "bfloat16") if case != "many_rows" else ("float32",):
+        x, v, scale, s = make_grouped(sizes, rows, k, n, block, values, x_dtype, seed=4)
+        out = run_grouped(q.grouped_quantized_matmul, x, v, scale, s, block)
+        ref = run_grouped(q.grouped_quantized_matmul_reference, x, v, scale, s, block)
+        want, magnitude = np.zeros((rows, n)), np.zeros((rows, n))
+        start = 0
+        for g, size in enumerate(sizes):
+            rows_g = slice(start, start + size)
+            want[rows_g], magnitude[rows_g] = exact(x[rows_g], v[g], scale[g], block)
+            start += size
+        assert not out[start:].any() and not ref[start:].any()
+        np.testing.assert_array_less(np.abs(ref - want), tolerance(magnitude, want, k, x_dtype, orders=1) + 1e-30)
+        np.testing.assert_array_less(np.abs(out - ref), tolerance(magnitude, ref, k, x_dtype, orders=2) + 1e-30)
+
+
+@pytest.mark.parametrize("f", [q.grouped_quantized_matmul, q.grouped_quantized_matmul_reference])
+def test_grouped_bad_operands_raise_value_errors_naming_the_shapes(f):
+    x, v, scale, sizes = make_grouped([2, 1], 3, 100, 37, 48, "int8")
+    with pytest.raises(ValueError, match=r"sizes \(3,\) int32"):
+        f(x, v, scale, np.zeros(3, np.int32), block=48)
+    with pytest.raises(ValueError, match=r"sizes \(2,\) int64"):
+        f(x, v, scale, sizes.astype(np.int64), block=48)
+    with pytest.raises(ValueError, match=r"values \(2, 100, 37\) and scale \(1, 3, 37\) differ in experts"):
+        f(x, v, scale[:1], sizes, block=48)
+    with pytest.raises(ValueError, match=r"values \(100, 37\), scale \(2, 37\) with block 48"):
+        f(x, v, scale[:, :2], sizes, block=48)

@@ -214,19 +214,23 @@ def test_engine_config_names_the_choices():
         dataclasses.replace(EngineConfig(), quantization="nf4")
 
 
-def test_cpu_backend_reads_the_one_byte_weights(tiny_llm, cpu_kernel):
-    """On XLA:CPU the quantized matmuls are the C++ kernel's calls, and no dequantized copy of a weight is
-    made per step; the result is the dequantize-then-matmul reference's."""
+@pytest.mark.parametrize(("name", "qtype"), [("llama", "int8"), ("qwen3_moe", "fp8")])
+def test_cpu_backend_reads_the_one_byte_weights(tiny_llm, cpu_kernel, name, qtype):
+    """On XLA:CPU the quantized matmuls are the C++ kernel's calls (a mixture's experts the grouped one's), and
+    no dequantized copy of a weight is made per step; the result is the dequantize-then-matmul reference's."""
     if cpu_kernel is None:
         pytest.skip("no C++ compiler: the engine runs the jnp reference, tested everywhere else")
     prompts = [[1, 5, 9, 33, 2, 7, 11]]
-    llm = tiny_llm("llama", attention_backend="cpu", quantization="int8")
+    llm = tiny_llm(name, quantization=qtype)       # the test above's: the CPU kernels are the default here
+    assert llm.engine.runner.backend == "cpu"
     llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     hlo = llm.engine.runner.last["decode"].as_text()
-    assert hlo.count('custom_call_target="jaxinfer_quantized_matmul"') == 4    # qkv, o, gate_up, down
-    # no fused computation turns int8 weights into floats (what the jnp reference compiles to)
-    assert not re.search(r"s8\[[0-9,]+\][^\n]*\) -> (f32|bf16)\[", hlo)
-    reference = tiny_llm("llama", attention_backend="xla", quantization="int8").logits(prompts)
+    dense, grouped = (2, 2) if name in MOE else (4, 0)       # qkv, o (gate_up, down); the experts' gate_up, down
+    assert hlo.count('custom_call_target="jaxinfer_quantized_matmul"') == dense
+    assert hlo.count('custom_call_target="jaxinfer_grouped_quantized_matmul"') == grouped
+    # no fused computation turns 1-byte weights into floats (what the jnp reference compiles to)
+    assert not re.search(r"(s8|f8e4m3fn)\[[0-9,]+\][^\n]*\) -> (f32|bf16)\[", hlo)
+    reference = tiny_llm(name, attention_backend="xla", quantization=qtype).logits(prompts)
     np.testing.assert_allclose(llm.logits(prompts)[0], reference[0], atol=1e-4, rtol=0)
 
 

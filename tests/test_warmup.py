@@ -81,7 +81,7 @@ def test_a_sequence_wider_than_the_page_table_is_refused():
 CHILD = """
 import json, sys
 from jaxinfer import LLM, SamplingParams
-llm = LLM(sys.argv[1], mesh="dp=2,tp=2", dtype="float32", max_tokens_per_step=16)
+llm = LLM(sys.argv[1], mesh="dp=2,tp=2", dtype="float32", max_tokens_per_step=16, quantization="int8")
 at_start = llm.engine.runner.loaded
 out = llm.generate([[1, 5, 6, 7], [9, 8]], SamplingParams(max_tokens=2, temperature=0))
 print(json.dumps({"tokens": [c.token_ids for c in out], "compiled": llm.engine.compilations,

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> dict:
     from jaxinfer.llm import LLM
 
     random_weights = args.model is None
-    cache_name, config_name = decode.PRESETS["dense"]
+    cache_name, config_name = decode.PRESETS[args.preset]
     path = random_model.ensure(cache_name, getattr(random_model, config_name)) if random_weights else args.model
     bandwidth = decode.memory_bandwidth(args.bandwidth_mib)
     rows, reference = [], None
@@ -172,7 +172,10 @@ def readable(r: dict) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jaxinfer.bench.quant", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the ~125M random-weight Llama)")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the --preset random-weight model)")
+    p.add_argument("--preset", default="dense", choices=["dense", "moe"],
+                   help="random-weight model when --model is not given: dense = ~125M Llama, moe = ~97M Mixtral "
+                        "(8 experts, top-2)")
     p.add_argument("--mesh", default="")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--prompts", type=int, default=4, help="prompts scored for the accuracy figures")

@@ -199,7 +199,8 @@ class StepContext:
             top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
         """Expert-parallel SwiGLU experts (jaxinfer.device.moe), gate and up fused:
         (y [R, N, E], tokens per expert [R, X])."""
-        return moe(x, router, gate_up, down, self.valid, top_k=top_k, normalize=normalize, layout=self.layout)
+        return moe(x, router, gate_up, down, self.valid, top_k=top_k, normalize=normalize, layout=self.layout,
+                   backend=self.backend)
 
 
 LayerFn = Callable[[Any, jax.Array, "PagedKVCache", jax.Array, StepContext], tuple[jax.Array, "PagedKVCache", Any]]

@@ -18,7 +18,8 @@
 // contiguous part of the weight, and the columns for more.
 //
 // Operands: x [M, K] (f32, bf16 or f16), values [K, N] (int8 or f8e4m3fn), scale [ceil(K / block), N] f32.
-// Result: [M, N] in x's dtype; sums in float32.
+// Result: [M, N] in x's dtype; sums in float32. The grouped form (a mixture's experts) takes values [X, K, N],
+// scale [X, ceil(K / block), N] and sizes [X] int32, x's rows grouped by expert.
 
 #include <immintrin.h>
 
@@ -428,6 +429,125 @@ void run(Problem p, ffi::AnyBuffer& x, ffi::AnyBuffer& out, ffi::ThreadPool& poo
   quantized_matmul(p, data<T>(out), pool);
 }
 
+// The experts of a mixture in one call: rows [start_g, start_g + sizes[g]) of x (grouped by expert, start_g the
+// sizes before g) times expert g's weight, for each expert with rows; rows past the groups are 0. A step reads
+// the experts its rows chose, as stored. The work of all the experts is one parallel_for (a call per expert
+// would wake the pool per expert: at 8 experts of 2 rows each that halved decode's speed), each expert's in
+// parts by its share of the multiply-adds: a few rows' K in parts (their float32 sums added up after, in
+// order), more rows' columns (and chunks of rows).
+template <typename T>
+void run_grouped(Problem p, const int32_t* sizes, int64_t experts, ffi::AnyBuffer& x, ffi::AnyBuffer& out,
+                 ffi::ThreadPool& pool) {
+  struct Task {
+    int64_t g;
+    Item item;
+    float* sums;   // a part of K's float32 sums, or null: written to out
+  };
+  struct Split {
+    int64_t g, parts, first;   // its parts are tasks [first, first + parts)
+  };
+  const int64_t rows = p.m, blocks = (p.k + p.block - 1) / p.block, tiles = (p.n + kTile - 1) / kTile;
+  std::vector<Problem> groups(experts, p);
+  std::vector<int64_t> starts(experts, 0);
+  int64_t start = 0, sums_size = 0;
+  for (int64_t g = 0; g < experts; ++g) {
+    starts[g] = start;
+    groups[g].m = std::min<int64_t>(std::max<int32_t>(sizes[g], 0), rows - start);
+    groups[g].values = p.values + g * p.k * p.n;
+    groups[g].scale = p.scale + g * blocks * p.n;
+    start += groups[g].m;
+  }
+  static const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  const int64_t total = start * p.k * p.n;
+  const int64_t workers = total < kThreadWork ? 1 : std::min(pool.num_threads() + 1, cores);
+  std::vector<Task> tasks;
+  std::vector<Split> splits;
+  for (int64_t g = 0; g < experts; ++g) {
+    const int64_t m = groups[g].m;
+    if (m == 0) continue;
+    const int64_t want = std::max<int64_t>(1, (workers * kItems * m + start - 1) / start);   // its share of the parts
+    const int64_t k_parts = std::min(want, p.k / kSegmentFew);
+    if (workers > 1 && m <= kSplitRows && k_parts > 1) {
+      splits.push_back({g, k_parts, static_cast<int64_t>(tasks.size())});
+      for (int64_t i = 0; i < k_parts; ++i)
+        tasks.push_back({g, Item{0, m, 0, p.n, i * p.k / k_parts, (i + 1) * p.k / k_parts}, nullptr});
+      sums_size += k_parts * m * p.n;
+      continue;
+    }
+    const int64_t chunks = (m + kRowChunk - 1) / kRowChunk;
+    const int64_t parts = workers == 1 ? 1 : std::clamp<int64_t>((want + chunks - 1) / chunks, 1, tiles);
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int64_t i = 0; i < parts; ++i)
+        tasks.push_back({g, Item{c * kRowChunk, std::min(m, (c + 1) * kRowChunk), i * tiles / parts * kTile,
+                                 std::min(p.n, (i + 1) * tiles / parts * kTile), 0, p.k}, nullptr});
+  }
+  std::vector<float> once_x, once_sums;
+  float* xt = scratch(workspace.x, once_x, start * p.k);
+  float* sums = scratch(workspace.sums, once_sums, sums_size);
+  const T* xs = data<T>(x);
+  for (int64_t g = 0; g < experts; ++g) {  // each group's rows, transposed: [k, m]
+    const int64_t m = groups[g].m;
+    float* xg = xt + starts[g] * p.k;
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t k = 0; k < p.k; ++k) xg[k * m + r] = to_float(xs[(starts[g] + r) * p.k + k]);
+    groups[g].x = xg;
+  }
+  for (const Split& s : splits) {  // each split's parts' sums, side by side
+    const int64_t size = groups[s.g].m * p.n;
+    for (int64_t part = 0; part < s.parts; ++part) tasks[s.first + part].sums = sums + part * size;
+    sums += s.parts * size;
+  }
+  T* o = data<T>(out);
+  parallel_for(pool, tasks.size(), std::min<int64_t>(workers, tasks.size()) - 1, [&](int64_t i) {
+    const Task& t = tasks[i];
+    run_item<T>(groups[t.g], t.item, o + starts[t.g] * p.n, t.sums);
+  });
+  for (const Split& s : splits) {  // in the parts' order, whichever thread ran them: deterministic
+    const int64_t size = groups[s.g].m * p.n;
+    const float* part = tasks[s.first].sums;
+    T* og = o + starts[s.g] * p.n;
+    for (int64_t j = 0; j < size; ++j) {
+      float sum = part[j];
+      for (int64_t i = 1; i < s.parts; ++i) sum += part[i * size + j];
+      from_float(sum, og + j);
+    }
+  }
+  std::memset(static_cast<void*>(o + start * p.n), 0, (rows - start) * p.n * sizeof(T));
+}
+
+ffi::Error GroupedQuantizedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer values,
+                                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> sizes, int64_t block,
+                                      ffi::Result<ffi::AnyBuffer> out) {
+  const auto xd = x.dimensions(), wd = values.dimensions(), sd = scale.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || sd.size() != 3 || sizes.dimensions().size() != 1 || od.size() != 2 ||
+      block < 1)
+    return ffi::Error::InvalidArgument(
+        "grouped quantized matmul: x, values, scale, sizes must be rank 2, 3, 3, 1 and block positive");
+  const int64_t rows = xd[0], experts = wd[0], k = xd[1], n = wd[2];
+  if (wd[1] != k || sd[0] != experts || sd[1] != (k + block - 1) / block || sd[2] != n ||
+      sizes.dimensions()[0] != experts || od[0] != rows || od[1] != n || out->element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("grouped quantized matmul: operand shapes disagree");
+  const auto vt = values.element_type();
+  if (vt != ffi::DataType::S8 && vt != ffi::DataType::F8E4M3FN)
+    return ffi::Error::InvalidArgument("grouped quantized matmul: values must be int8 or float8_e4m3fn");
+  const Problem p{rows, k, n, block, vt == ffi::DataType::F8E4M3FN, nullptr,
+                  static_cast<const uint8_t*>(values.untyped_data()), scale.typed_data()};
+  if (rows == 0 || n == 0) return ffi::Error::Success();
+  switch (x.element_type()) {
+    case ffi::DataType::F32:
+      run_grouped<float>(p, sizes.typed_data(), experts, x, *out, pool);
+      return ffi::Error::Success();
+    case ffi::DataType::BF16:
+      run_grouped<BF16>(p, sizes.typed_data(), experts, x, *out, pool);
+      return ffi::Error::Success();
+    case ffi::DataType::F16:
+      run_grouped<_Float16>(p, sizes.typed_data(), experts, x, *out, pool);
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("grouped quantized matmul: x must be f32, bf16 or f16");
+  }
+}
+
 ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer values,
                                ffi::Buffer<ffi::F32> scale, int64_t block, ffi::Result<ffi::AnyBuffer> out) {
   const auto xd = x.dimensions(), wd = values.dimensions(), sd = scale.dimensions(), od = out->dimensions();
@@ -466,5 +586,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmul, QuantizedMatmulImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("block")
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedQuantizedMatmul, GroupedQuantizedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("block")
                                   .Ret<ffi::AnyBuffer>());

@@ -21,7 +21,8 @@ import numpy as np
 from jaxinfer.device import native
 
 SOURCE = Path(__file__).with_name("quant_matmul_cpu.cc")
-TARGETS = {"jaxinfer_quantized_matmul": "QuantizedMatmul"}
+TARGETS = {"jaxinfer_quantized_matmul": "QuantizedMatmul",
+           "jaxinfer_grouped_quantized_matmul": "GroupedQuantizedMatmul"}
 X_DTYPES = ("float32", "bfloat16", "float16")
 VALUE_DTYPES = ("int8", "float8_e4m3fn")
 
@@ -83,6 +84,44 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *, block
         raise BuildError(reason)
     call = jax.ffi.ffi_call("jaxinfer_quantized_matmul", jax.ShapeDtypeStruct((x.shape[0], values.shape[1]), x.dtype))
     return call(x, values, scale, block=np.int64(block))
+
+
+def check_grouped(x: jax.Array, values: jax.Array, scale: jax.Array, sizes: jax.Array, block: int) -> None:
+    """Raises ValueError, naming the shapes, unless the operands follow `grouped_quantized_matmul`'s contract."""
+    if values.ndim != 3 or scale.ndim != 3 or sizes.shape != values.shape[:1] or sizes.dtype != jnp.int32:
+        raise ValueError(f"grouped quantized matmul takes x [M, K], values [X, K, N], scale [X, ceil(K / block), N], "
+                         f"sizes [X] int32: got x {x.shape}, values {values.shape}, scale {scale.shape}, sizes "
+                         f"{sizes.shape} {sizes.dtype}")
+    if scale.shape[0] != values.shape[0]:
+        raise ValueError(f"grouped quantized matmul: values {values.shape} and scale {scale.shape} differ in experts")
+    check(x, values[0], scale[0], block)
+
+
+def grouped_quantized_matmul_reference(x: jax.Array, values: jax.Array, scale: jax.Array, sizes: jax.Array, *,
+                                       block: int) -> jax.Array:
+    """The contract of `grouped_quantized_matmul` in jnp: each row times its group's dequantized expert, float32."""
+    check_grouped(x, values, scale, sizes, block)
+    ends = jnp.cumsum(sizes)
+    expert = jnp.searchsorted(ends, jnp.arange(x.shape[0]), side="right")     # == X past the groups
+    k = values.shape[1]
+    weight = values.astype(jnp.float32) * jnp.repeat(scale, block, axis=1)[:, :k]
+    out = jnp.einsum("mk,mkn->mn", x.astype(jnp.float32), weight[jnp.minimum(expert, values.shape[0] - 1)],
+                     precision=jax.lax.Precision.HIGHEST)
+    return jnp.where((expert < values.shape[0])[:, None], out, 0).astype(x.dtype)
+
+
+def grouped_quantized_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, sizes: jax.Array, *,
+                             block: int) -> jax.Array:
+    """x [M, K] (rows grouped by expert: `sizes[g]` rows of expert g, in order) times each group's expert
+    -> [M, N] in x's dtype, rows past the groups 0, on one CPU device: a mixture of experts' product, which
+    reads the experts that have rows, as stored. values [X, K, N] and scale [X, ceil(K / block), N] as in
+    `quantized_matmul`, one per expert; sizes [X] int32 (groups past M rows are cut at M)."""
+    check_grouped(x, values, scale, sizes, block)
+    if reason := _register():
+        raise BuildError(reason)
+    call = jax.ffi.ffi_call("jaxinfer_grouped_quantized_matmul",
+                            jax.ShapeDtypeStruct((x.shape[0], values.shape[2]), x.dtype))
+    return call(x, values, scale, sizes, block=np.int64(block))
 
 
 def _benchmark() -> None:

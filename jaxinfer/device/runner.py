@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxinfer.device import quant_matmul_cpu
+from jaxinfer.device.attention import cpu as cpu_attention
 from jaxinfer.device.compilation_cache import (
     defined_in_jaxinfer,
     executable_key,
@@ -367,6 +369,8 @@ class ModelRunner:
         if key not in self.executables:
             t0, cpu0 = time.perf_counter(), time.thread_time()
             stored = self._stored(kind, inputs, buffers) if self.executables_dir is not None else None
+            if stored is not None and self.layout.platform == "cpu":
+                register_cpu_kernels()   # a step read back is not traced, and tracing registers the FFI targets
             exe = load_executable(stored, list(self.layout.mesh.devices.flat)) if stored is not None else None
             if exe is not None:
                 self.loaded += 1
@@ -415,3 +419,9 @@ class ModelRunner:
 def _across(reduce: Callable, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """reduce(x, axes) over the mesh axes that split the vocabulary, x itself where nothing splits it."""
     return reduce(x, axes) if axes else x
+
+
+def register_cpu_kernels() -> None:
+    """The C++ kernels' FFI targets, which a CPU step may call, registered with XLA (built on first use)."""
+    cpu_attention.available()
+    quant_matmul_cpu.available()
