@@ -4,7 +4,8 @@ Decode is memory-bound: each step reads every weight once, so 1-byte weights sho
 times faster than float32. XLA:CPU does not get there on its own: it runs `convert(values) * scale`
 followed by a dot by writing a float32 copy of the weight first. The kernel (quant_matmul_cpu.cc) reads the
 1-byte weights once per call in their [K, N] layout, converts them in registers and applies each block's
-scale to the block's partial sums, on XLA's intra-op threads when the call is large enough. It is built on
+scale to the block's partial sums, on XLA's intra-op threads when the call is large enough; its grouped form
+multiplies a mixture's rows, grouped by expert, by each chosen expert as stored. It is built on
 first use (jaxinfer/device/native.py); where it cannot be, `available()` is False and says why, and callers
 keep `quantized_matmul_reference`.
 """
