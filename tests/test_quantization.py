@@ -104,7 +104,7 @@ def test_fixture_logits_within_the_quantization_bound(tiny_llm, golden, name):
 
 
 @pytest.mark.parametrize(("name", "qtype", "meshes"), [("llama", "int8", ["tp=4", "pp=2", "sp=2"]),
-                                                       ("qwen3_moe", "fp8", ["ep=4", "tp=2"])])
+                                                       ("qwen3_moe", "fp8", ["ep=4", "tp=2", "pp=2,ep=2", "sp=2"])])
 def test_layouts_serve_the_one_device_quantized_model(tiny_llm, golden, name, qtype, meshes):
     prompts = golden(name).prompts
     one = tiny_llm(name, quantization=qtype).logits(prompts)
