@@ -229,6 +229,8 @@ def moe(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array
     G column blocks), w_down [X, M, E], valid bool [R, N] -> (y [R, N, E] in x's dtype, padding tokens 0;
     counts int32 [R, X] of valid tokens).
 
+    backend: the engine's ("cpu": quantized experts through the C++ grouped matmul; see `_grouped`).
+
     Communication per call and device: two all-to-alls over ep (bytes in the module docstring) and, where
     the FFN width is split (tp > 1), one all-reduce of the [n, E] output; no all-gather, weights never move.
     """
