@@ -124,6 +124,9 @@ class LLM:
         held quantized and `check` has passed it), the engine and its loop."""
         self.tokenizer = tokenizer
         self.layout = Layout(self.mesh_config.make())
+        if self.layout.platform == "cpu" and jnp.dtype(self.dtype).itemsize == 2:
+            log.warning("serving in %s on CPU, where XLA's 16-bit matmuls run several times slower than float32's: "
+                        "dtype='float32' or quantization='int8' decodes faster", jnp.dtype(self.dtype).name)
         self.model = model_for(self.config)
         specs = stage_specs(self.model, self.layout)
         stages = self.layout.axis_size("layers")

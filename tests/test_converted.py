@@ -95,12 +95,15 @@ def test_a_prequantized_checkpoint_stays_as_stored(converted, tmp_path_factory, 
         direct.close()
 
 
-def test_bfloat16_and_the_tokenizer_come_along(converted, hf_tiny):
+def test_bfloat16_and_the_tokenizer_come_along(converted, hf_tiny, caplog):
     path = converted("llama", "--dtype", "bfloat16")
     assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
     assert {"tokenizer.json", "generation_config.json"} <= {f.name for f in path.iterdir()}
     assert not list(path.glob("*.safetensors"))
-    llm = LLM(path)   # dtype "auto": the stored one
+    with caplog.at_level("WARNING", logger="jaxinfer"):
+        llm = LLM(path)   # dtype "auto": the stored one; on CPU the user is told what decodes faster
+    if jax.default_backend() == "cpu":
+        assert "serving in bfloat16 on CPU" in caplog.text and "dtype='float32'" in caplog.text
     try:
         assert {x.dtype for x in jax.tree.leaves(llm.weights)} == {np.dtype("bfloat16")}
         reference = LLM(hf_tiny / "llama", dtype="bfloat16")
