@@ -32,6 +32,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -380,6 +381,17 @@ void run_item(const Problem& p, const Item& item, T* out, float* sums) {
   }
 }
 
+// out[j] = the sum over parts of sums[part * size + j], in the parts' order whichever thread ran them:
+// deterministic.
+template <typename T>
+void add_parts(const float* sums, int64_t parts, int64_t size, T* out) {
+  for (int64_t j = 0; j < size; ++j) {
+    float total = sums[j];
+    for (int64_t i = 1; i < parts; ++i) total += sums[i * size + j];
+    from_float(total, out + j);
+  }
+}
+
 // Splits the work over the caller and XLA's intra-op threads, in a few parts per thread: a thread the pool
 // starts late (it often is, by hundreds of microseconds) then delays the call by one small part at most. Few
 // rows of x (memory-bound): K in equal parts, each a contiguous range of the weight streamed by one thread,
@@ -396,11 +408,7 @@ void quantized_matmul(const Problem& p, T* out, ffi::ThreadPool& pool) {
     parallel_for(pool, parts, workers - 1, [&](int64_t i) {
       run_item<T>(p, Item{0, p.m, 0, p.n, i * p.k / parts, (i + 1) * p.k / parts}, nullptr, sums + i * size);
     });
-    for (int64_t j = 0; j < size; ++j) {  // in the parts' order, whichever thread ran them: deterministic
-      float total = sums[j];
-      for (int64_t i = 1; i < parts; ++i) total += sums[i * size + j];
-      from_float(total, out + j);
-    }
+    add_parts(sums, parts, size, out);
     return;
   }
   const int64_t tiles = (p.n + kTile - 1) / kTile;
@@ -418,15 +426,39 @@ void quantized_matmul(const Problem& p, T* out, ffi::ThreadPool& pool) {
 template <typename T>
 T* data(ffi::AnyBuffer& b) { return static_cast<T*>(b.untyped_data()); }
 
+// m rows of x (k elements each) as float32, transposed: out [k, m], a k's rows side by side for the register
+// tiles' broadcasts.
+template <typename T>
+void transpose_rows(const T* x, int64_t m, int64_t k, float* out) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t j = 0; j < k; ++j) out[j * m + r] = to_float(x[r * k + j]);
+}
+
 template <typename T>
 void run(Problem p, ffi::AnyBuffer& x, ffi::AnyBuffer& out, ffi::ThreadPool& pool) {
   std::vector<float> once;
   float* xt = scratch(workspace.x, once, p.m * p.k);
-  const T* xs = data<T>(x);
-  for (int64_t r = 0; r < p.m; ++r)
-    for (int64_t k = 0; k < p.k; ++k) xt[k * p.m + r] = to_float(xs[r * p.k + k]);
+  transpose_rows(data<T>(x), p.m, p.k, xt);
   p.x = xt;
   quantized_matmul(p, data<T>(out), pool);
+}
+
+// f(T{}) for x's element type T (float32, bfloat16 or float16): the kernels' entry points run as one template.
+template <typename F>
+ffi::Error for_x_type(ffi::DataType type, const std::string& kernel, F&& f) {
+  switch (type) {
+    case ffi::DataType::F32:
+      f(float{});
+      return ffi::Error::Success();
+    case ffi::DataType::BF16:
+      f(BF16{});
+      return ffi::Error::Success();
+    case ffi::DataType::F16:
+      f(_Float16{});
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument(kernel + ": x must be f32, bf16 or f16");
+  }
 }
 
 // The experts of a mixture in one call: rows [start_g, start_g + sizes[g]) of x (grouped by expert, start_g the
@@ -484,13 +516,9 @@ void run_grouped(Problem p, const int32_t* sizes, int64_t experts, ffi::AnyBuffe
   std::vector<float> once_x, once_sums;
   float* xt = scratch(workspace.x, once_x, start * p.k);
   float* sums = scratch(workspace.sums, once_sums, sums_size);
-  const T* xs = data<T>(x);
-  for (int64_t g = 0; g < experts; ++g) {  // each group's rows, transposed: [k, m]
-    const int64_t m = groups[g].m;
-    float* xg = xt + starts[g] * p.k;
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t k = 0; k < p.k; ++k) xg[k * m + r] = to_float(xs[(starts[g] + r) * p.k + k]);
-    groups[g].x = xg;
+  for (int64_t g = 0; g < experts; ++g) {  // each group's rows, transposed
+    transpose_rows(data<T>(x) + starts[g] * p.k, groups[g].m, p.k, xt + starts[g] * p.k);
+    groups[g].x = xt + starts[g] * p.k;
   }
   for (const Split& s : splits) {  // each split's parts' sums, side by side
     const int64_t size = groups[s.g].m * p.n;
@@ -502,16 +530,7 @@ void run_grouped(Problem p, const int32_t* sizes, int64_t experts, ffi::AnyBuffe
     const Task& t = tasks[i];
     run_item<T>(groups[t.g], t.item, o + starts[t.g] * p.n, t.sums);
   });
-  for (const Split& s : splits) {  // in the parts' order, whichever thread ran them: deterministic
-    const int64_t size = groups[s.g].m * p.n;
-    const float* part = tasks[s.first].sums;
-    T* og = o + starts[s.g] * p.n;
-    for (int64_t j = 0; j < size; ++j) {
-      float sum = part[j];
-      for (int64_t i = 1; i < s.parts; ++i) sum += part[i * size + j];
-      from_float(sum, og + j);
-    }
-  }
+  for (const Split& s : splits) add_parts(tasks[s.first].sums, s.parts, groups[s.g].m * p.n, o + starts[s.g] * p.n);
   std::memset(static_cast<void*>(o + start * p.n), 0, (rows - start) * p.n * sizeof(T));
 }
 
@@ -533,19 +552,9 @@ ffi::Error GroupedQuantizedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ff
   const Problem p{rows, k, n, block, vt == ffi::DataType::F8E4M3FN, nullptr,
                   static_cast<const uint8_t*>(values.untyped_data()), scale.typed_data()};
   if (rows == 0 || n == 0) return ffi::Error::Success();
-  switch (x.element_type()) {
-    case ffi::DataType::F32:
-      run_grouped<float>(p, sizes.typed_data(), experts, x, *out, pool);
-      return ffi::Error::Success();
-    case ffi::DataType::BF16:
-      run_grouped<BF16>(p, sizes.typed_data(), experts, x, *out, pool);
-      return ffi::Error::Success();
-    case ffi::DataType::F16:
-      run_grouped<_Float16>(p, sizes.typed_data(), experts, x, *out, pool);
-      return ffi::Error::Success();
-    default:
-      return ffi::Error::InvalidArgument("grouped quantized matmul: x must be f32, bf16 or f16");
-  }
+  return for_x_type(x.element_type(), "grouped quantized matmul", [&](auto zero) {
+    run_grouped<decltype(zero)>(p, sizes.typed_data(), experts, x, *out, pool);
+  });
 }
 
 ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer values,
@@ -563,19 +572,7 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyB
   const Problem p{m, k, n, block, vt == ffi::DataType::F8E4M3FN, nullptr,
                   static_cast<const uint8_t*>(values.untyped_data()), scale.typed_data()};
   if (m == 0 || n == 0) return ffi::Error::Success();
-  switch (x.element_type()) {
-    case ffi::DataType::F32:
-      run<float>(p, x, *out, pool);
-      return ffi::Error::Success();
-    case ffi::DataType::BF16:
-      run<BF16>(p, x, *out, pool);
-      return ffi::Error::Success();
-    case ffi::DataType::F16:
-      run<_Float16>(p, x, *out, pool);
-      return ffi::Error::Success();
-    default:
-      return ffi::Error::InvalidArgument("quantized matmul: x must be f32, bf16 or f16");
-  }
+  return for_x_type(x.element_type(), "quantized matmul", [&](auto zero) { run<decltype(zero)>(p, x, *out, pool); });
 }
 
 }  // namespace
