@@ -53,7 +53,9 @@ class ParamSpec:
     repeat: tuple[int, int] = (0, 1)
     layer_ids: tuple[int | None, ...] | None = None
     pad: tuple[int, int] | None = None  # (axis, size on disk): our axis is longer, the rest reads as zeros
-    contract: int = 0   # a matmul weight: how many axes after the stacking ones it contracts (0: not one)
+    contract: int = 0   # a matmul weight (the model multiplies it with ctx.matmul or ctx.moe, which take it
+    #                     quantized, or held for the CPU kernel): how many axes after the stacking ones it
+    #                     contracts (0: not one)
     row_block: int | None = None  # a stored scale: each row on disk covers this many output rows (repeated)
 
     @property

@@ -19,9 +19,10 @@ from jaxinfer.checkpoint import abstract, is_spec, load_params
 from jaxinfer.collectives import collective_report
 from jaxinfer.config import EngineConfig, ModelConfig, read_json
 from jaxinfer.converted import Converted, open_checkpoint
+from jaxinfer.device.attention import choose_backend
 from jaxinfer.device.compilation_cache import enable_compilation_cache
 from jaxinfer.device.layers import Weights, stacks_as_run
-from jaxinfer.device.matmul import gemm_layouts
+from jaxinfer.device.matmul import gemm_layouts, kernel_weights
 from jaxinfer.device.pipeline import stage_specs
 from jaxinfer.engine.core import Completion, Engine
 from jaxinfer.engine.loop import EngineLoop, RequestStream
@@ -124,9 +125,6 @@ class LLM:
         held quantized and `check` has passed it), the engine and its loop."""
         self.tokenizer = tokenizer
         self.layout = Layout(self.mesh_config.make())
-        if self.layout.platform == "cpu" and jnp.dtype(self.dtype).itemsize == 2:
-            log.warning("serving in %s on CPU, where XLA's 16-bit matmuls run several times slower than float32's: "
-                        "dtype='float32' or quantization='int8' decodes faster", jnp.dtype(self.dtype).name)
         self.model = model_for(self.config)
         specs = stage_specs(self.model, self.layout)
         stages = self.layout.axis_size("layers")
@@ -135,10 +133,15 @@ class LLM:
         check(specs)   # a bad checkpoint is refused before the engine exists
         # The engine is built on the weights' shapes while they load, so the step executables already
         # compiled on this machine are read back meanwhile (jaxinfer.device.compilation_cache).
-        shapes = gemm_layouts(jax.tree.map(lambda s: abstract(s, self.dtype, self.layout.sharding), specs,
-                                           is_leaf=is_spec), self.layout)
+        backend = choose_backend(engine_config.attention_backend, self.layout.platform, self.config.head_dim,
+                                 engine_config.page_size)
+
+        def placed(weights: Weights) -> Weights:   # laid out and typed as the backend's kernels read them
+            return kernel_weights(gemm_layouts(weights, self.layout), specs, self.layout, backend)
+
+        shapes = placed(jax.tree.map(lambda s: abstract(s, self.dtype, self.layout.sharding), specs, is_leaf=is_spec))
         with ThreadPoolExecutor(1) as pool:
-            weights = pool.submit(lambda: gemm_layouts(make_weights(specs), self.layout))
+            weights = pool.submit(lambda: placed(make_weights(specs)))
             self.engine = Engine(self.model, self.layout, shapes, self.dtype, engine_config, self.tokenizer)
             if self.engine.runner.executables_dir is not None and self.engine.stages == 1:
                 from jaxinfer.engine.warmup import warmup

@@ -125,8 +125,9 @@ def max_error(w: jax.Array, q: QuantArray) -> jax.Array:
     return jnp.maximum(jnp.abs(w) * 2.0 ** -4, s * 2.0 ** -10)
 
 
-def matmul(x: jax.Array, w: jax.Array | QuantArray, contract: int = 1) -> jax.Array:
-    """x [..., *k] times w [*k, *out] -> [..., *out] in x's dtype; w a plain array or a QuantArray.
+def matmul(x: jax.Array, w: jax.Array | QuantArray, contract: int = 1, out_dtype=None) -> jax.Array:
+    """x [..., *k] times w [*k, *out] -> [..., *out] in x's dtype (a plain w: in `out_dtype` where given, its
+    sums float32 either way); w a plain array or a QuantArray.
 
     A QuantArray's values go into the product converted to x's dtype (exact: every int8 and e4m3 value is a
     bfloat16), the product accumulated in float32 and then scaled: XLA:GPU fuses that conversion into the GEMM,
@@ -142,7 +143,7 @@ def matmul(x: jax.Array, w: jax.Array | QuantArray, contract: int = 1) -> jax.Ar
     w's several output axes, XLA:CPU copied w on every step. Several (the attention output [H, D, E]):
     contracted in the weight's own order, which XLA:CPU reads in place."""
     if not isinstance(w, QuantArray):
-        return _product(x, w, contract)
+        return _product(x, w, contract, out_dtype)
     if w.scale.shape[w.lead] == 1:
         y = _product(x, w.values.astype(x.dtype), w.contract, jnp.float32)
         return (y * w.scale.reshape(w.shape[w.contract:])).astype(x.dtype)
@@ -228,4 +229,5 @@ def fp8_matmul(x: jax.Array, w: QuantArray) -> jax.Array:
 def weight_quantization(weights) -> str | None:
     """What a weights pytree holds quantized: "int8", "fp8" (both: "fp8+int8"), or None."""
     leaves = jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, QuantArray))
-    return "+".join(sorted({qtype_name(x.values.dtype) for x in leaves if isinstance(x, QuantArray)})) or None
+    return "+".join(sorted({qtype_name(x.values.dtype) for x in leaves
+                            if isinstance(x, QuantArray) and x.values.dtype.itemsize == 1})) or None

@@ -3,7 +3,8 @@ download store theirs.
 
 Quantized as they load (`quantization="int8"|"fp8"`): every matmul weight of the decoder layers (q/k/v,
 o, gate/up, down and the experts'), one scale per output channel; the embedding, the LM head, the norms,
-the biases and the MoE router stay as stored. A model marks its matmul weights (ParamSpec.contract).
+the biases and the MoE router stay as stored. A model marks its matmul weights (ParamSpec.contract); one with
+a vocab axis (the LM head) is never quantized.
 
 Pre-quantized, from config.json's `quantization_config`:
 - quant_method "fp8" (transformers' fine-grained FP8, as DeepSeek and Qwen3-FP8 publish): float8_e4m3fn
@@ -103,7 +104,7 @@ def quantized_specs(specs: Any, method: str | None, stored: StoredQuantization |
     holds it in 8 bits (`stored_dtype`: a tensor's dtype as the checkpoint names it, None where it is
     absent), else quantized as it loads where `method` asks, else left as it is."""
     def one(spec: Spec) -> Spec:
-        if isinstance(spec, QuantSpec) or not spec.contract:
+        if isinstance(spec, QuantSpec) or not spec.contract or "vocab" in spec.axes:   # the LM head stays
             return spec
         if stored is not None and stored_dtype is not None:
             dtypes = {d for p in spec.parts for n in p.hf_names() if (d := stored_dtype(n)) is not None}

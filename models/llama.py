@@ -147,7 +147,7 @@ class Llama(Model):
         head = Head(norm=ParamSpec((E,), ("embed",), "model.norm.weight"),
                     lm_head=ParamSpec((E, Vp), ("embed", "vocab"),
                                       "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight",
-                                      perm=(1, 0), pad=(1, V) if Vp != V else None))
+                                      perm=(1, 0), pad=(1, V) if Vp != V else None, contract=1))
         sparse = set(cfg.moe_layers)
         layers = stack_layers(cfg.num_layers, lambda i: i in sparse,
                               lambda moe: self.layer_weights(moe, kv_repeat=kv_repeat, shards=column_shards))
@@ -221,7 +221,7 @@ class Llama(Model):
 
     def head(self, w: Head, h: jax.Array, ctx: StepContext) -> jax.Array:
         h = rms_norm(h, w.norm, self.cfg.rms_norm_eps)
-        return jnp.einsum("...e,ev->...v", h, w.lm_head, preferred_element_type=jnp.float32)
+        return ctx.matmul(h, w.lm_head, out_dtype=jnp.float32)
 
     # ---- the block's parts -------------------------------------------------------------------------
     def attention(self, w: Attention, h: jax.Array, cache: PagedKVCache, layer: jax.Array,

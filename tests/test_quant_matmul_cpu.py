@@ -42,11 +42,14 @@ def kernel():
 def make(m: int, k: int, n: int, block: int, values: str, x_dtype: str = "float32", seed: int = 0,
          nan: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x ~ N(0, 1); int8 values over all of -128..127; fp8 values over every finite code (subnormals, +-0 and
-    +-448 included), or with a few NaN codes (0x7f, 0xff) where `nan`; scales in [0.5, 2) / 64."""
+    +-448 included), or with a few NaN codes (0x7f, 0xff) where `nan`; bfloat16 and float16 values N(0, 1)
+    times powers of two from 2^-12 to 2^11 (float16's subnormals among them); scales in [0.5, 2) / 64."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((m, k), dtype=np.float32).astype(jnp.dtype(x_dtype))
     if values == "int8":
         v = rng.integers(-128, 128, (k, n)).astype(np.int8)
+    elif values in ("bfloat16", "float16"):
+        v = (rng.standard_normal((k, n)) * 2.0 ** rng.integers(-12, 12, (k, n))).astype(jnp.dtype(values))
     else:
         codes = rng.integers(0, 256, (k, n)).astype(np.uint8)
         codes[(codes & 0x7F) == 0x7F] -= 1
@@ -88,7 +91,7 @@ CASES = {                      # (M, K, N, block): odd sizes on purpose
 
 
 @on_cpu
-@pytest.mark.parametrize("values", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("values", ["int8", "float8_e4m3fn", "bfloat16"])
 @pytest.mark.parametrize("case", ["per_channel", "block128_k200", "block48_k100"])
 def test_reference_is_the_explicit_numpy_product(case: str, values: str):
     m, k, n, block = CASES[case]
@@ -101,7 +104,7 @@ def test_reference_is_the_explicit_numpy_product(case: str, values: str):
 
 
 @on_cpu
-@pytest.mark.parametrize("values", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("values", ["int8", "float8_e4m3fn", "bfloat16"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernel_matches_reference(kernel, case: str, values: str):
     m, k, n, block = CASES[case]
@@ -114,9 +117,10 @@ def test_kernel_matches_reference(kernel, case: str, values: str):
 
 
 @on_cpu
-def test_kernel_float16_x_and_result(kernel):
+@pytest.mark.parametrize("values", ["int8", "float16"])
+def test_kernel_float16_x_and_result(kernel, values: str):
     m, k, n, block = CASES["block128_k200"]
-    x, v, scale = make(m, k, n, block, "int8", "float16", seed=2)
+    x, v, scale = make(m, k, n, block, values, "float16", seed=2)
     out = jax.jit(functools.partial(q.quantized_matmul, block=block))(x, v, scale)
     assert out.dtype == jnp.float16 and out.shape == (m, n)
     ref = run(q.quantized_matmul_reference, x, v, scale, block)
@@ -150,7 +154,8 @@ def test_bad_operands_raise_value_errors_naming_the_shapes(f):
         f(x, v, scale[:2], block=48)                          # ceil(100 / 48) = 3 blocks
     with pytest.raises(ValueError, match=r"values \(99, 37\)"):
         f(x, v[:99], scale, block=48)
-    with pytest.raises(ValueError, match=r"values \(100, 37\) must be one of \('int8', 'float8_e4m3fn'\), not uint8"):
+    with pytest.raises(ValueError, match=r"values \(100, 37\) must be one of \('int8', 'float8_e4m3fn', 'bfloat16', "
+                                         r"'float16'\), not uint8"):
         f(x, v.view(np.uint8), scale, block=48)
     with pytest.raises(ValueError, match=r"x \(3, 100\) must be one of"):
         f(x.astype(np.int32), v, scale, block=48)
@@ -183,7 +188,7 @@ def run_grouped(f, x, v, scale, sizes, block):
 
 
 @on_cpu
-@pytest.mark.parametrize("values", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("values", ["int8", "float8_e4m3fn", "bfloat16"])
 @pytest.mark.parametrize("case", list(GROUPED))
 def test_grouped_kernel_is_each_groups_matmul(kernel, case: str, values: str):
     """Each group of rows times its own expert, as the single matmul's reference computes it; rows past the
@@ -215,3 +220,44 @@ def test_grouped_bad_operands_raise_value_errors_naming_the_shapes(f):
         f(x, v, scale[:1], sizes, block=48)
     with pytest.raises(ValueError, match=r"values \(100, 37\), scale \(2, 37\) with block 48"):
         f(x, v, scale[:, :2], sizes, block=48)
+
+
+@on_cpu
+@pytest.mark.parametrize(("name", "mesh", "dense", "grouped"), [("llama", "tp=2", 5, 0), ("qwen3_moe", "", 3, 2)])
+def test_engine_reads_16_bit_weights_through_the_kernel(kernel, hf_tiny, golden, name, mesh, dense, grouped):
+    """A bfloat16 model on the cpu backend: its matmul weights, the LM head's included (qkv, o, gate_up, down,
+    lm_head; a mixture's experts through the grouped kernel), are the kernel's calls, XLA multiplies none of
+    them (a dense model's step has no dot at all), and the logits stay within bfloat16's rounding of the float32
+    reference: to first order each of the 4 roundings of a layer's activations (2^-8 relative at most) moves
+    the logits by at most that fraction of their scale; a mixture's near-tied experts may flip, so it is held
+    to the KL gate instead."""
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.quant import QuantArray
+
+    g = golden(name)
+    llm = LLM(hf_tiny / name, mesh=mesh, dtype="bfloat16")
+    try:
+        assert llm.engine.runner.backend == "cpu" and llm.quantization is None
+        held = [w for w in jax.tree.leaves(llm.weights, is_leaf=lambda w: isinstance(w, QuantArray))
+                if isinstance(w, QuantArray)]
+        assert len(held) == dense + grouped and {w.values.dtype for w in held} == {jnp.dtype(jnp.bfloat16)}
+        llm.generate(g.prompts[:1], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        hlo = llm.engine.runner.last["decode"].as_text()
+        assert hlo.count('custom_call_target="jaxinfer_quantized_matmul"') == dense
+        assert hlo.count('custom_call_target="jaxinfer_grouped_quantized_matmul"') == grouped
+        if not grouped:
+            assert " dot(" not in hlo
+        layers = llm.config.num_layers
+        for i, logits in enumerate(llm.logits(g.prompts)):
+            want = g.logits[i, : len(g.prompts[i])]
+            if grouped:
+                p = np.exp(want - want.max(-1, keepdims=True))
+                p /= p.sum(-1, keepdims=True)
+                log_q = logits - logits.max(-1, keepdims=True)
+                log_q = log_q - np.log(np.exp(log_q).sum(-1, keepdims=True))
+                assert (p * (np.log(p) - log_q)).sum(-1).max() < 0.02
+            else:
+                bound = 4 * layers * 2.0 ** -8 * np.abs(want).max()
+                assert np.abs(logits - want).max() <= bound, (np.abs(logits - want).max(), bound)
+    finally:
+        llm.close()

@@ -29,6 +29,8 @@ VARIANTS = {  # name: (serving dtype, weight quantization, KV cache dtype)
     "bfloat16": ("bfloat16", None, "auto"),
     "int8": ("float32", "int8", "auto"),
     "fp8": ("float32", "fp8", "auto"),
+    "bf16-int8": ("bfloat16", "int8", "auto"),   # a bfloat16 checkpoint served with --quantization int8
+    "bf16-fp8": ("bfloat16", "fp8", "auto"),
     "kv-int8": ("float32", None, "int8"),
     "kv-fp8": ("float32", None, "fp8"),
 }

@@ -190,10 +190,11 @@ class StepContext:
             return self.attend(q, k, v, cache, layer, inv_freq)
         return attention(q, k, v, cache, layer, inv_freq, self.meta, self.layout, self.backend)
 
-    def matmul(self, x: jax.Array, w: jax.Array | QuantArray, contract: int = 1) -> jax.Array:
-        """x [R, N, *k] times a weight [*k, *out], plain or quantized (jaxinfer.quant) -> [R, N, *out], by the
-        backend's kernel where it has one (jaxinfer.device.matmul)."""
-        return model_matmul(x, w, contract, self.layout, self.backend)
+    def matmul(self, x: jax.Array, w: jax.Array | QuantArray, contract: int = 1, out_dtype=None) -> jax.Array:
+        """x [R, N, *k] times a weight [*k, *out], plain or quantized (jaxinfer.quant) -> [R, N, *out] in
+        `out_dtype` (default x's; float32 sums either way), by the backend's kernel where it has one
+        (jaxinfer.device.matmul)."""
+        return model_matmul(x, w, contract, self.layout, self.backend, out_dtype)
 
     def moe(self, x: jax.Array, router: jax.Array, gate_up: jax.Array | QuantArray, down: jax.Array | QuantArray, *,
             top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:

@@ -3,7 +3,9 @@
 - "cpu": the C++ dequantizing matmul (jaxinfer.device.quant_matmul_cpu), one call per device inside a
   shard_map: XLA:CPU would otherwise write a dequantized copy of every weight on every step, so int8 would
   read more bytes than float32, not fewer. A weight whose contraction is split (the row-parallel o and
-  down under tp) ends in the same all-reduce over tp that the compiler emits for a plain one.
+  down under tp) ends in the same all-reduce over tp that the compiler emits for a plain one. A 16-bit
+  model's matmul weights, the LM head's included, go there too, held with unit scales (`kernel_weights`):
+  XLA:CPU's bfloat16 and float16 dots have no vector path.
 - GPUs, block-wise weights (scales per block of the contraction): the Pallas kernel
   (jaxinfer.pallas_kernels.block_matmul), one call per device inside a shard_map like the CPU's, which scales
   each block's product as it accumulates (XLA writes every block's float32 product and reads it back); fp8
@@ -29,19 +31,22 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.layout import Format
 from jax.experimental.layout import Layout as DeviceLayout
 
 from jaxinfer.device import quant_matmul_cpu
 from jaxinfer.pallas_kernels import block_matmul
-from jaxinfer.quant import QuantArray, fp8_matmul, matmul
+from jaxinfer.quant import QuantArray, fp8_matmul, matmul, scale_axes
 from jaxinfer.sharding import Layout
 
 ROWS = ("batch", "seq")   # the activations' leading axes: [replicas, tokens per replica, ...]
 
 
-def model_matmul(x: jax.Array, w: jax.Array | QuantArray, contract: int, layout: Layout, backend: str) -> jax.Array:
-    """x [R, N, *k] times w [*k, *out] -> [R, N, *out] in x's dtype, with `backend`'s kernel where one applies.
+def model_matmul(x: jax.Array, w: jax.Array | QuantArray, contract: int, layout: Layout, backend: str,
+                 out_dtype=None) -> jax.Array:
+    """x [R, N, *k] times w [*k, *out] -> [R, N, *out] in `out_dtype` (default x's; the logits ask for float32,
+    a wider type than x's), with `backend`'s kernel where one applies.
 
     One row per GPU is given a second (zeros): XLA:GPU turns a matrix-vector product with a weight under 10M
     elements (`dot-strength-reduction`) into a multiply and a reduction, and wrote the whole product out
@@ -49,8 +54,12 @@ def model_matmul(x: jax.Array, w: jax.Array | QuantArray, contract: int, layout:
     if layout.platform == "gpu" and _rows_per_device(x, layout) == 1:
         n = x.shape[1]
         wide = jnp.pad(x, ((0, 0), (0, n)) + ((0, 0),) * (x.ndim - 2))
-        return model_matmul(wide, w, contract, layout, backend)[:, :n]
-    if isinstance(w, QuantArray) and w.axes:
+        return model_matmul(wide, w, contract, layout, backend, out_dtype)[:, :n]
+    if not isinstance(w, QuantArray):
+        return matmul(x, w, contract, out_dtype)
+    if out_dtype is not None:   # a QuantArray's product comes in x's dtype, from float32 sums
+        return model_matmul(x.astype(out_dtype), w, contract, layout, backend)
+    if w.axes:
         if not _blocks_align(w, layout):
             return matmul(x, w.dequantize(x.dtype), contract)
         if backend == "cpu" and quant_matmul_cpu.available():
@@ -65,6 +74,31 @@ def model_matmul(x: jax.Array, w: jax.Array | QuantArray, contract: int, layout:
             if layout.platform == "gpu":
                 return matmul(x, w.dequantize(x.dtype), contract)
     return matmul(x, w, contract)
+
+
+def kernel_weights(weights, specs, layout: Layout, backend: str):
+    """On the "cpu" backend, each 16-bit matmul weight (bfloat16, float16; a model marks them with
+    ParamSpec.contract) held as a QuantArray of its own values with unit scales, one per output channel, so the
+    C++ matmul reads it as stored: XLA:CPU's 16-bit dots have no vector path (about 1 GB/s, a twentieth of a
+    float32 dot's speed at one row, `python -m jaxinfer.device.quant_matmul_cpu`). Nothing is copied; the
+    scales add 4 bytes per output column. Takes the arrays or their jax.ShapeDtypeStructs, and the spec tree
+    they were made from."""
+    if not (layout.platform == "cpu" and backend == "cpu" and quant_matmul_cpu.available()):
+        return weights
+
+    def hold(w, spec):
+        if isinstance(w, QuantArray) or not getattr(spec, "contract", 0) or jnp.dtype(w.dtype).itemsize != 2:
+            return w
+        lead, contract = spec.stack_depth, spec.contract
+        shape = (*w.shape[:lead], 1, *w.shape[lead + contract:])
+        axes = scale_axes(spec.axes, contract, len(w.shape) - lead - contract)
+        sharding = layout.sharding(axes)
+        scale = (jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding) if isinstance(w, jax.ShapeDtypeStruct)
+                 else jax.device_put(np.ones(shape, np.float32), sharding))
+        return QuantArray(w, scale, out=len(axes) - lead - 1, block=math.prod(w.shape[lead: lead + contract]),
+                          axes=spec.axes[lead:])
+
+    return jax.tree.map(hold, weights, specs, is_leaf=lambda x: isinstance(x, QuantArray))
 
 
 def has_fp8_gemm(layout: Layout) -> bool:

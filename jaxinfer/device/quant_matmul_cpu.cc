@@ -17,7 +17,8 @@
 // register tile on FMA. Threads (XLA's intra-op pool) split K for up to 8 rows of x, each streaming its own
 // contiguous part of the weight, and the columns for more.
 //
-// Operands: x [M, K] (f32, bf16 or f16), values [K, N] (int8 or f8e4m3fn), scale [ceil(K / block), N] f32.
+// Operands: x [M, K] (f32, bf16 or f16), values [K, N] (int8, f8e4m3fn, or bf16 or f16: XLA:CPU's 16-bit dots
+// have no vector path, ~1 GB/s where this loop reads several), scale [ceil(K / block), N] f32.
 // Result: [M, N] in x's dtype; sums in float32. The grouped form (a mixture's experts) takes values [X, K, N],
 // scale [X, ceil(K / block), N] and sizes [X] int32, x's rows grouped by expert.
 
@@ -67,10 +68,11 @@ inline void from_float(float x, BF16* out) {  // round to nearest even, NaN kept
   out->bits = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-// Where the weights of a segment come from: int8 or fp8 bytes as stored, or floats already converted.
-enum class Kind { kInt8, kFp8, kF32 };
+// Where the weights of a segment come from: int8 or fp8 bytes, bfloat16 or float16 as stored, or floats
+// already converted.
+enum class Kind { kInt8, kFp8, kBf16, kF16, kF32 };
 
-constexpr int64_t kTile = 64;           // columns per tile: one cache line of 1-byte weights
+constexpr int64_t kTile = 64;           // columns per tile: one cache line of 1-byte weights (two of 16-bit ones)
 constexpr float kFp8Unit = 0x1p8f;      // fp8 weights are converted to 2^-8 times their value (fp8_halves)
 constexpr float kInt8Unit = 0x1p-24f;   // int8 weights to 2^24 times theirs (int8_top)
 
@@ -118,6 +120,14 @@ inline void load_pair(const void* p, int v, __m256& lo, __m256& hi) {
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(p) + 8 * v)));
     lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
     hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+  } else if constexpr (W == Kind::kBf16) {  // a bfloat16 is the top half of its float32
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + 8 * v));
+    lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)), 16));
+    hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1)), 16));
+  } else if constexpr (W == Kind::kF16) {
+    const uint16_t* h = static_cast<const uint16_t*>(p) + 8 * v;
+    lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+    hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 8)));
   } else {
     const float* f = static_cast<const float*>(p) + 8 * v;
     lo = _mm256_loadu_ps(f);
@@ -126,7 +136,7 @@ inline void load_pair(const void* p, int v, __m256& lo, __m256& hi) {
 }
 
 template <Kind W>
-constexpr int64_t kElementBytes = W == Kind::kF32 ? 4 : 1;
+constexpr int64_t kElementBytes = W == Kind::kF32 ? 4 : W == Kind::kBf16 || W == Kind::kF16 ? 2 : 1;
 
 // acc[r, 0 : 8V] += scale[0 : 8V] * sum over k < kn of x[r, k] * w[k, 0 : 8V], for R rows: the R x V partial
 // sums stay in registers for the whole segment (w advances ldw elements per k, x (x transposed: rows
@@ -145,6 +155,7 @@ void segment_tile(const void* w, int64_t ldw, const float* x, int64_t ldx, int64
     // The same columns one segment on: each line of the weight asked for once, a segment before it is read
     // (a prefetch never faults, even past the end).
     if constexpr (W != Kind::kF32) _mm_prefetch(wb + kSegmentFew * step, _MM_HINT_T0);
+    if constexpr (kElementBytes<W> == 2) _mm_prefetch(wb + kSegmentFew * step + 64, _MM_HINT_T0);
     if constexpr (V <= 4) {  // a few columns for many rows: the weights converted first, then one row at a time
       __m256 w[V];
       #pragma GCC unroll 16
@@ -227,11 +238,55 @@ using jaxinfer::parallel_for;   // parallel_for.h
 
 struct Problem {
   int64_t m, k, n, block;
-  bool fp8;
+  Kind kind;              // the values' type: kInt8, kFp8, kBf16 or kF16
   const float* x;         // [k, m]: x transposed, a k's rows side by side for the register tiles' broadcasts
-  const uint8_t* values;  // [k, n]
+  const uint8_t* values;  // [k, n] elements of `bytes` bytes
   const float* scale;     // [ceil(k / block), n]
+  int64_t bytes;          // bytes per element of values
+  bool fp8() const { return kind == Kind::kFp8; }
 };
+
+// The values' Kind for an FFI element type (kF32: not one the kernel takes).
+Kind kind_of(ffi::DataType type) {
+  switch (type) {
+    case ffi::DataType::S8: return Kind::kInt8;
+    case ffi::DataType::F8E4M3FN: return Kind::kFp8;
+    case ffi::DataType::BF16: return Kind::kBf16;
+    case ffi::DataType::F16: return Kind::kF16;
+    default: return Kind::kF32;
+  }
+}
+
+// One value of `kind` at p as a float in the kernel's units.
+float value_scalar(const uint8_t* p, Kind kind) {
+  uint16_t h;
+  switch (kind) {
+    case Kind::kInt8: return static_cast<int8_t>(*p) / kInt8Unit;
+    case Kind::kFp8: return fp8_scalar(*p);
+    case Kind::kBf16: std::memcpy(&h, p, 2); return to_float(BF16{h});
+    case Kind::kF16: {
+      _Float16 f;
+      std::memcpy(&f, p, 2);
+      return static_cast<float>(f);
+    }
+    default: return 0.f;
+  }
+}
+
+// The factor from a weight in the kernel's units to its value (see fp8_halves and int8_top).
+float unit_of(Kind kind) { return kind == Kind::kFp8 ? kFp8Unit : kind == Kind::kInt8 ? kInt8Unit : 1.f; }
+
+// segment_rows<kind>(args...) for the kind of the values.
+template <typename... A>
+void segment_rows_of(Kind kind, A... args) {
+  switch (kind) {
+    case Kind::kInt8: return segment_rows<Kind::kInt8>(args...);
+    case Kind::kFp8: return segment_rows<Kind::kFp8>(args...);
+    case Kind::kBf16: return segment_rows<Kind::kBf16>(args...);
+    case Kind::kF16: return segment_rows<Kind::kF16>(args...);
+    default: return segment_rows<Kind::kF32>(args...);
+  }
+}
 
 // An fp8 segment's tiles holding a NaN code (0x7f or 0xff): kn rows of `width` bytes from w (ld apart), read
 // row by row (which also brings the segment into cache in the order memory lies). A NaN code is the one byte
@@ -257,28 +312,38 @@ void find_nans(const uint8_t* w, int64_t ld, int64_t kn, int64_t width, std::vec
     for (int64_t j = 0; j < width; ++j) nan[j / kTile] |= (w[k * ld + j] & 0x7f) == 0x7f;
 }
 
-// kn rows of `width` 1-byte weights from w (ld apart) as floats in the kernel's units, tile after tile
-// ([tile][k][64], zero past `width`), read row by row. Tiles flagged in `nan` (fp8) convert exactly, NaN
-// included.
-void to_panel(const uint8_t* w, int64_t ld, int64_t kn, int64_t width, bool fp8, const char* nan, float* out) {
+// 16 weights of `kind` at p (a tile's v-th and v + 1-th eight) as floats in the kernel's units.
+void load_pair_of(Kind kind, const void* p, int v, __m256& lo, __m256& hi) {
+  switch (kind) {
+    case Kind::kInt8: return load_pair<Kind::kInt8>(p, v, lo, hi);
+    case Kind::kFp8: return load_pair<Kind::kFp8>(p, v, lo, hi);
+    case Kind::kBf16: return load_pair<Kind::kBf16>(p, v, lo, hi);
+    case Kind::kF16: return load_pair<Kind::kF16>(p, v, lo, hi);
+    default: return load_pair<Kind::kF32>(p, v, lo, hi);
+  }
+}
+
+// kn rows of `width` weights of `kind` (`bytes` each) from w (ld elements apart) as floats in the kernel's
+// units, tile after tile ([tile][k][64], zero past `width`), read row by row. Tiles flagged in `nan` (fp8)
+// convert exactly, NaN included.
+void to_panel(const uint8_t* w, int64_t ld, int64_t kn, int64_t width, Kind kind, int64_t bytes, const char* nan,
+              float* out) {
   for (int64_t k = 0; k < kn; ++k) {
-    const uint8_t* row = w + k * ld;
+    const uint8_t* row = w + k * ld * bytes;
     for (int64_t t = 0; t * kTile < width; ++t) {
-      const uint8_t* b = row + t * kTile;
+      const uint8_t* b = row + t * kTile * bytes;
       float* f = out + (t * kn + k) * kTile;
       const int64_t cols = std::min(kTile, width - t * kTile);
-      if (cols == kTile && !(fp8 && nan[t])) {
+      if (cols == kTile && !(kind == Kind::kFp8 && nan[t])) {
         for (int v = 0; v < 8; v += 2) {
           __m256 lo, hi;
-          if (fp8) load_pair<Kind::kFp8>(b, v, lo, hi);
-          else load_pair<Kind::kInt8>(b, v, lo, hi);
+          load_pair_of(kind, b, v, lo, hi);
           _mm256_storeu_ps(f + 8 * v, lo);
           _mm256_storeu_ps(f + 8 * v + 8, hi);
         }
         continue;
       }
-      for (int64_t j = 0; j < kTile; ++j)
-        f[j] = j >= cols ? 0.f : fp8 ? fp8_scalar(b[j]) : static_cast<int8_t>(b[j]) / kInt8Unit;
+      for (int64_t j = 0; j < kTile; ++j) f[j] = j >= cols ? 0.f : value_scalar(b + j * bytes, kind);
     }
   }
 }
@@ -326,7 +391,7 @@ void run_item(const Problem& p, const Item& item, T* out, float* sums) {
   std::vector<uint8_t>& bytes = ws.bytes;
   std::vector<float>& floats = ws.floats;
   std::vector<char>& nan = ws.nan;
-  const float unit = p.fp8 ? kFp8Unit : kInt8Unit;
+  const float unit = unit_of(p.kind);
   const float* x = p.x + r0;
   for (int64_t g0 = c0; g0 < c1; g0 += group) {
     const int64_t g1 = std::min(c1, g0 + group), width = g1 - g0, lda = (width + kTile - 1) / kTile * kTile;
@@ -339,38 +404,36 @@ void run_item(const Problem& p, const Item& item, T* out, float* sums) {
         for (int64_t j = 0; j < lda; ++j) scales[j] = j < width ? p.scale[b * p.n + g0 + j] * unit : 0.f;
         last = b;
       }
-      const uint8_t* src = p.values + k0 * p.n + g0;
+      const uint8_t* src = p.values + (k0 * p.n + g0) * p.bytes;
       const float* xk = x + k0 * p.m;
-      if (p.fp8) find_nans(src, p.n, kn, width, nan);
+      if (p.fp8()) find_nans(src, p.n, kn, width, nan);
       if (panel) {  // the segment's weights converted once for all rows
         floats.resize(kn * lda);
-        to_panel(src, p.n, kn, width, p.fp8, nan.data(), floats.data());
+        to_panel(src, p.n, kn, width, p.kind, p.bytes, nan.data(), floats.data());
         for (int64_t t = 0; t * kTile < width; ++t)
           segment_rows<Kind::kF32>(&floats[t * kn * kTile], kTile, xk, p.m, kn, &scales[t * kTile], &acc[t * kTile],
                                    lda, rows, std::min(kTile, width - t * kTile));
         continue;
       }
       for (int64_t t = 0; t * kTile < width; ++t) {  // each tile's weights converted as the register tiles use them
-        const uint8_t* w = src + t * kTile;
+        const uint8_t* w = src + t * kTile * p.bytes;
         const int64_t cols = std::min(kTile, width - t * kTile);
-        if (p.fp8 && nan[t]) {
+        if (p.fp8() && nan[t]) {
           floats.resize(kn * kTile);
-          to_panel(w, p.n, kn, cols, true, nan.data() + t, floats.data());
+          to_panel(w, p.n, kn, cols, Kind::kFp8, 1, nan.data() + t, floats.data());
           segment_rows<Kind::kF32>(floats.data(), kTile, xk, p.m, kn, &scales[t * kTile], &acc[t * kTile], lda, rows,
                                    cols);
           continue;
         }
         int64_t ldw = p.n;
         if (cols < kTile) {  // the last tile: copied, zero-padded, so that every load stays inside the operand
-          bytes.assign(kn * kTile, 0);
-          for (int64_t k = 0; k < kn; ++k) std::memcpy(&bytes[k * kTile], w + k * ldw, cols);
+          bytes.assign(kn * kTile * p.bytes, 0);
+          for (int64_t k = 0; k < kn; ++k) std::memcpy(&bytes[k * kTile * p.bytes], w + k * ldw * p.bytes, cols * p.bytes);
           w = bytes.data();
           ldw = kTile;
         }
-        if (p.fp8)
-          segment_rows<Kind::kFp8>(w, ldw, xk, p.m, kn, &scales[t * kTile], &acc[t * kTile], lda, rows, cols);
-        else
-          segment_rows<Kind::kInt8>(w, ldw, xk, p.m, kn, &scales[t * kTile], &acc[t * kTile], lda, rows, cols);
+        segment_rows_of(p.kind, static_cast<const void*>(w), ldw, xk, p.m, kn, static_cast<const float*>(&scales[t * kTile]),
+                        &acc[t * kTile], lda, rows, cols);
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -485,7 +548,7 @@ void run_grouped(Problem p, const int32_t* sizes, int64_t experts, ffi::AnyBuffe
   for (int64_t g = 0; g < experts; ++g) {
     starts[g] = start;
     groups[g].m = std::min<int64_t>(std::max<int32_t>(sizes[g], 0), rows - start);
-    groups[g].values = p.values + g * p.k * p.n;
+    groups[g].values = p.values + g * p.k * p.n * p.bytes;
     groups[g].scale = p.scale + g * blocks * p.n;
     start += groups[g].m;
   }
@@ -546,11 +609,11 @@ ffi::Error GroupedQuantizedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ff
   if (wd[1] != k || sd[0] != experts || sd[1] != (k + block - 1) / block || sd[2] != n ||
       sizes.dimensions()[0] != experts || od[0] != rows || od[1] != n || out->element_type() != x.element_type())
     return ffi::Error::InvalidArgument("grouped quantized matmul: operand shapes disagree");
-  const auto vt = values.element_type();
-  if (vt != ffi::DataType::S8 && vt != ffi::DataType::F8E4M3FN)
-    return ffi::Error::InvalidArgument("grouped quantized matmul: values must be int8 or float8_e4m3fn");
-  const Problem p{rows, k, n, block, vt == ffi::DataType::F8E4M3FN, nullptr,
-                  static_cast<const uint8_t*>(values.untyped_data()), scale.typed_data()};
+  const Kind kind = kind_of(values.element_type());
+  if (kind == Kind::kF32)
+    return ffi::Error::InvalidArgument("grouped quantized matmul: values must be int8, float8_e4m3fn, bf16 or f16");
+  const Problem p{rows, k, n, block, kind, nullptr, static_cast<const uint8_t*>(values.untyped_data()),
+                  scale.typed_data(), static_cast<int64_t>(ffi::ByteWidth(values.element_type()))};
   if (rows == 0 || n == 0) return ffi::Error::Success();
   return for_x_type(x.element_type(), "grouped quantized matmul", [&](auto zero) {
     run_grouped<decltype(zero)>(p, sizes.typed_data(), experts, x, *out, pool);
@@ -566,11 +629,11 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyB
   if (wd[0] != k || sd[0] != (k + block - 1) / block || sd[1] != n || od[0] != m || od[1] != n ||
       out->element_type() != x.element_type())
     return ffi::Error::InvalidArgument("quantized matmul: operand shapes disagree");
-  const auto vt = values.element_type();
-  if (vt != ffi::DataType::S8 && vt != ffi::DataType::F8E4M3FN)
-    return ffi::Error::InvalidArgument("quantized matmul: values must be int8 or float8_e4m3fn");
-  const Problem p{m, k, n, block, vt == ffi::DataType::F8E4M3FN, nullptr,
-                  static_cast<const uint8_t*>(values.untyped_data()), scale.typed_data()};
+  const Kind kind = kind_of(values.element_type());
+  if (kind == Kind::kF32)
+    return ffi::Error::InvalidArgument("quantized matmul: values must be int8, float8_e4m3fn, bf16 or f16");
+  const Problem p{m, k, n, block, kind, nullptr, static_cast<const uint8_t*>(values.untyped_data()),
+                  scale.typed_data(), static_cast<int64_t>(ffi::ByteWidth(values.element_type()))};
   if (m == 0 || n == 0) return ffi::Error::Success();
   return for_x_type(x.element_type(), "quantized matmul", [&](auto zero) { run<decltype(zero)>(p, x, *out, pool); });
 }

@@ -1,4 +1,5 @@
-"""Weight-only quantized matmul (int8 or float8_e4m3fn weights, float32 scales) as a C++ kernel for XLA:CPU.
+"""Weight-only quantized matmul (int8 or float8_e4m3fn weights, float32 scales) as a C++ kernel for XLA:CPU;
+it reads bfloat16 and float16 weights too, which XLA:CPU's own dots multiply at about 1 GB/s.
 
 Decode is memory-bound: each step reads every weight once, so 1-byte weights should make it up to four
 times faster than float32. XLA:CPU does not get there on its own: it runs `convert(values) * scale`
@@ -25,7 +26,7 @@ SOURCE = Path(__file__).with_name("quant_matmul_cpu.cc")
 TARGETS = {"jaxinfer_quantized_matmul": "QuantizedMatmul",
            "jaxinfer_grouped_quantized_matmul": "GroupedQuantizedMatmul"}
 X_DTYPES = ("float32", "bfloat16", "float16")
-VALUE_DTYPES = ("int8", "float8_e4m3fn")
+VALUE_DTYPES = ("int8", "float8_e4m3fn", "bfloat16", "float16")
 
 BuildError = native.BuildError
 
@@ -125,27 +126,34 @@ def grouped_quantized_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, 
     return call(x, values, scale, sizes, block=np.int64(block))
 
 
-def _benchmark() -> None:
-    """Times the dots XLA runs (float32, bfloat16), the reference and the kernel (int8, fp8, per-channel scales)
-    on one CPU device, each as a chain of dependent matmuls, one per copy of its weight, the copies 48 MB or
-    more in all (more than the L3 cache, as a model's weights are). The variants of a shape take turns, and
-    each keeps its best time: microseconds a matmul, and GB/s of weight bytes read."""
+def parse_args(argv: list[str] | None = None):
+    """The benchmark's command line (`python -m jaxinfer.device.quant_matmul_cpu --help`)."""
     import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m jaxinfer.device.quant_matmul_cpu", description=_benchmark.__doc__)
+    parser.add_argument("--m", default="1,8,64", help="rows of x")
+    parser.add_argument("--shapes", default="768x768,768x2304,768x3072,768x6144,3072x768,4096x4096", help="K x N")
+    parser.add_argument("--rounds", type=int, default=5)
+    return parser.parse_args(argv)
+
+
+def _benchmark(argv: list[str] | None = None) -> None:
+    """Times the dots XLA runs (float32, bfloat16), the reference and the kernel (int8 and fp8 with per-channel
+    scales; bfloat16) on one CPU device, each as a chain of dependent matmuls, one per copy of its weight, the
+    copies 48 MB or more in all (more than the L3 cache, as a model's weights are). The variants of a shape
+    take turns, and each keeps its best time: microseconds a matmul, and GB/s of weight bytes read."""
     import math
     import time
 
     import ml_dtypes
 
-    parser = argparse.ArgumentParser(description=_benchmark.__doc__)
-    parser.add_argument("--m", default="1,8,64", help="rows of x")
-    parser.add_argument("--shapes", default="768x768,768x2304,768x3072,768x6144,3072x768,4096x4096", help="K x N")
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
+    args = parse_args(argv)
     rng, dev = np.random.default_rng(0), jax.devices("cpu")[0]
     int8, fp8, bf16 = np.dtype(np.int8), np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.bfloat16)
     variants = {"f32 dot": (np.dtype(np.float32), None), "bf16 dot": (bf16, None),
                 "int8 reference": (int8, quantized_matmul_reference), "int8 kernel": (int8, quantized_matmul),
-                "fp8 reference": (fp8, quantized_matmul_reference), "fp8 kernel": (fp8, quantized_matmul)}
+                "fp8 reference": (fp8, quantized_matmul_reference), "fp8 kernel": (fp8, quantized_matmul),
+                "bf16 kernel": (bf16, quantized_matmul)}
 
     def chain(x, weights, scales, f, k):
         for w, s in zip(weights, scales, strict=True):   # one after the other, as layers are
