@@ -223,24 +223,30 @@ def test_grouped_bad_operands_raise_value_errors_naming_the_shapes(f):
 
 
 @on_cpu
-@pytest.mark.parametrize(("name", "mesh", "dense", "grouped"), [("llama", "tp=2", 5, 0), ("qwen3_moe", "", 3, 2)])
-def test_engine_reads_16_bit_weights_through_the_kernel(kernel, hf_tiny, golden, name, mesh, dense, grouped):
+@pytest.mark.parametrize(("name", "mesh", "quantization", "dense", "grouped"), [
+    ("llama", "tp=2", None, 5, 0), ("qwen3_moe", "", None, 3, 2),
+    ("llama", "", "int8", 5, 0),     # int8 layers, the bfloat16 LM head: both kinds in one step
+])
+def test_engine_reads_16_bit_weights_through_the_kernel(kernel, hf_tiny, golden, name, mesh, quantization, dense,
+                                                        grouped):
     """A bfloat16 model on the cpu backend: its matmul weights, the LM head's included (qkv, o, gate_up, down,
     lm_head; a mixture's experts through the grouped kernel), are the kernel's calls, XLA multiplies none of
     them (a dense model's step has no dot at all), and the logits stay within bfloat16's rounding of the float32
     reference: to first order each of the 4 roundings of a layer's activations (2^-8 relative at most) moves
-    the logits by at most that fraction of their scale; a mixture's near-tied experts may flip, so it is held
-    to the KL gate instead."""
+    the logits by at most that fraction of their scale (int8 weights add their half step, 1/254, to each); a
+    mixture's near-tied experts may flip, so it is held to the KL gate instead."""
     from jaxinfer import LLM, SamplingParams
     from jaxinfer.quant import QuantArray
 
     g = golden(name)
-    llm = LLM(hf_tiny / name, mesh=mesh, dtype="bfloat16")
+    llm = LLM(hf_tiny / name, mesh=mesh, dtype="bfloat16", quantization=quantization)
     try:
-        assert llm.engine.runner.backend == "cpu" and llm.quantization is None
+        assert llm.engine.runner.backend == "cpu"
+        assert (llm.quantization or {}).get("weights") == quantization
         held = [w for w in jax.tree.leaves(llm.weights, is_leaf=lambda w: isinstance(w, QuantArray))
                 if isinstance(w, QuantArray)]
-        assert len(held) == dense + grouped and {w.values.dtype for w in held} == {jnp.dtype(jnp.bfloat16)}
+        assert len(held) == dense + grouped
+        assert [w.values.dtype for w in held].count(jnp.dtype(jnp.bfloat16)) == (1 if quantization else len(held))
         llm.generate(g.prompts[:1], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
         hlo = llm.engine.runner.last["decode"].as_text()
         assert hlo.count('custom_call_target="jaxinfer_quantized_matmul"') == dense
@@ -257,7 +263,8 @@ def test_engine_reads_16_bit_weights_through_the_kernel(kernel, hf_tiny, golden,
                 log_q = log_q - np.log(np.exp(log_q).sum(-1, keepdims=True))
                 assert (p * (np.log(p) - log_q)).sum(-1).max() < 0.02
             else:
-                bound = 4 * layers * 2.0 ** -8 * np.abs(want).max()
+                eps = 2.0 ** -8 + (0.5 / 127 if quantization else 0)
+                bound = 4 * layers * eps * np.abs(want).max()
                 assert np.abs(logits - want).max() <= bound, (np.abs(logits - want).max(), bound)
     finally:
         llm.close()
