@@ -13,6 +13,11 @@ def test_rows_report_bytes_capacity_and_accuracy(hf_tiny, capsys):
     r = json.loads(capsys.readouterr().out)
     base, int8, kv = r["rows"]
     assert [x["variant"] for x in r["rows"]] == ["float32", "int8", "kv-fp8"]
+    assert all(x["speedup_vs_bfloat16"] is None for x in r["rows"])   # no bfloat16 row to compare with
+    table = quant.readable(r).splitlines()
+    assert "x bf16" in table[1] and table[3].split()[:6] == [
+        "int8", f"{int8['weight_bytes_per_device'] / 2**20:.1f}", str(int8["kv_tokens_per_gib"]),
+        f"{int8['decode_tokens_per_second']:.1f}", f"{int8['speedup']:.2f}", "-"]
     assert base["kl_max"] == 0 and base["max_logit_error"] == 0 and base["greedy_agreement"] == 1
     # int8 matmuls: a quarter of their float32 bytes plus a float32 scale per output column; the rest as it was
     assert int8["weight_bytes_per_device"] < 0.6 * base["weight_bytes_per_device"]
@@ -23,3 +28,11 @@ def test_rows_report_bytes_capacity_and_accuracy(hf_tiny, capsys):
     for x in (int8, kv):
         assert 0 < x["kl_mean"] <= x["kl_max"] < 0.02 and 0 < x["max_logit_error"] and x["greedy_agreement"] > 0.5
         assert x["decode_tokens_per_second"] > 0 and x["speedup"] > 0
+
+
+def test_the_ratio_to_bfloat16_is_each_rows_own():
+    rows = [{"variant": v, "decode_tokens_per_second": t} for v, t in (("float32", 40.0), ("bfloat16", 32.0),
+                                                                       ("int8", 48.0))]
+    ratios = quant.ratios(rows)
+    assert [r["speedup"] for r in ratios] == [1.0, 0.8, 1.2]
+    assert [r["speedup_vs_bfloat16"] for r in ratios] == [1.25, 1.0, 1.5]

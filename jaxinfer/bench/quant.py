@@ -2,7 +2,7 @@
 
 For each variant (weights float32, bfloat16, int8, fp8; KV pages int8, fp8 under float32 weights): bytes
 of weights per device, the KV tokens a GiB of pool holds (the engine's own page sizing, scales counted),
-batch-1 decode tok/s and
+batch-1 decode tok/s, its ratio to float32's and (where bfloat16 is among the variants) to bfloat16's, and
 its MBU (jaxinfer.bench.decode: the bytes a step actually reads, 1-byte weights counted as such), and the
 accuracy cost against the float32 model on the same prompts, teacher-forced: per-token KL divergence (mean
 and max; MaxText's logit checker gates on a max of 0.02), the largest logit error, and greedy agreement
@@ -80,13 +80,22 @@ def run(args: argparse.Namespace) -> dict:
             llm.close()
             del llm
             gc.collect()
-    base = rows[0]
-    for r in rows:
-        r["speedup"] = r["decode_tokens_per_second"] / base["decode_tokens_per_second"]
-        r["kv_tokens_ratio"] = r["kv_tokens_per_gib"] / base["kv_tokens_per_gib"]
+    for r in ratios(rows):
+        r["kv_tokens_ratio"] = r["kv_tokens_per_gib"] / rows[0]["kv_tokens_per_gib"]
     return {"model": str(path), "random_weights": random_weights, "mesh": args.mesh or "one device",
             "memory_bandwidth_gbps": bandwidth, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
             "rows": rows}
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """The rows (float32's first) with each one's decode tok/s over float32's (`speedup`) and over bfloat16's
+    (`speedup_vs_bfloat16`, None without a bfloat16 row): quantized weights are held to both."""
+    bf16 = next((r for r in rows if r["variant"] == "bfloat16"), None)
+    for r in rows:
+        r["speedup"] = r["decode_tokens_per_second"] / rows[0]["decode_tokens_per_second"]
+        r["speedup_vs_bfloat16"] = (None if bf16 is None else
+                                    r["decode_tokens_per_second"] / bf16["decode_tokens_per_second"])
+    return rows
 
 
 MATMULS = ("plain", "fp8 gemm, row-major", "fp8 gemm, contraction-minor", "int8, dequantize then matmul",
@@ -162,11 +171,12 @@ def weight_matmuls(k: int, n: int, rows: int, dtype: str, reps: int = 50) -> lis
 def readable(r: dict) -> str:
     lines = [f"model {r['model']}{' (random weights)' if r['random_weights'] else ''} on {r['mesh']}; batch-1 "
              f"decode of {r['max_tokens']} tokens after {r['prompt_len']}; accuracy against float32, teacher-forced",
-             f"{'variant':<9} {'MiB/device':>10} {'KV tok/GiB':>10} {'decode tok/s':>12} {'x f32':>6} {'MBU':>6} "
-             f"{'KL mean':>9} {'KL max':>9} {'max |dlogit|':>12} {'greedy':>7}"]
+             f"{'variant':<9} {'MiB/device':>10} {'KV tok/GiB':>10} {'decode tok/s':>12} {'x f32':>6} {'x bf16':>6} "
+             f"{'MBU':>6} {'KL mean':>9} {'KL max':>9} {'max |dlogit|':>12} {'greedy':>7}"]
     for x in r["rows"]:
+        vs_bf16 = "-" if x["speedup_vs_bfloat16"] is None else f"{x['speedup_vs_bfloat16']:.2f}"
         lines.append(f"{x['variant']:<9} {x['weight_bytes_per_device'] / 2**20:>10.1f} {x['kv_tokens_per_gib']:>10} "
-                     f"{x['decode_tokens_per_second']:>12.1f} {x['speedup']:>6.2f} {x['mbu']:>6.1%} "
+                     f"{x['decode_tokens_per_second']:>12.1f} {x['speedup']:>6.2f} {vs_bf16:>6} {x['mbu']:>6.1%} "
                      f"{x['kl_mean']:>9.2e} {x['kl_max']:>9.2e} {x['max_logit_error']:>12.4f} "
                      f"{x['greedy_agreement']:>7.1%}")
     return "\n".join(lines)
