@@ -16,8 +16,8 @@ from jaxinfer.plan import Workload, layouts, plan
 from jaxinfer.plan.__main__ import main
 from jaxinfer.plan.auto import auto_mesh
 from jaxinfer.plan.compiled import compile_layout
-from jaxinfer.plan.hardware import device_kind
-from jaxinfer.plan.roofline import expert_share
+from jaxinfer.plan.hardware import CPU_DEFAULT, device_kind
+from jaxinfer.plan.roofline import expert_share, step_seconds
 from jaxinfer.sharding import validate
 
 # layouts other modules serve too (tiny_llm shares their engines and the run's compilation cache their programs)
@@ -54,6 +54,40 @@ def test_a_step_reads_the_experts_its_tokens_chose(hf_tiny, mesh):
         assert expert_share(cfg, mesh, tokens) == pytest.approx(touched[:, :local].mean(), abs=0.01)
     assert expert_share(cfg, mesh, 16, routed=2) == expert_share(cfg, mesh, 2)   # padding routes none
     assert expert_share(config_from_dir(hf_tiny / "llama"), mesh, 1) == 1.0   # a dense model reads it all
+
+
+def test_weights_a_device_reads_slower_than_its_memory_take_that_rate(hf_tiny):
+    """A decode step's weights cost their bytes per dtype at the device's read rate for that dtype (a CPU's C++
+    matmul converts 1-byte weights slower than its memory delivers them), at the memory bandwidth without one."""
+    cfg, mesh = config_from_dir(hf_tiny / "llama"), MeshConfig(tp=2)
+    plain = compile_layout(cfg, mesh, jnp.float32, EngineConfig(), 1, programs=False)
+    int8 = compile_layout(cfg, mesh, jnp.float32, EngineConfig(quantization="int8"), 1, programs=False)
+    assert plain.weight_bytes_by_dtype == {"float32": plain.weight_bytes}
+    assert set(int8.weight_bytes_by_dtype) == {"float32", "int8"}     # embedding, head and norms stay float32
+    assert sum(int8.weight_bytes_by_dtype.values()) == int8.weight_bytes < plain.weight_bytes
+    bw = CPU_DEFAULT.memory_bandwidth
+    fast = dataclasses.replace(CPU_DEFAULT, matmul_rate=dict.fromkeys(CPU_DEFAULT.matmul_rate, 1e30), weight_read={})
+    slow = dataclasses.replace(fast, weight_read={"int8": bw / 4})
+    step = lambda kind, held: step_seconds(cfg, mesh, kind, "int8", held, 1, 1, 0.0, 1, 0.0)  # noqa: E731
+    assert step(fast, int8) == pytest.approx(mesh.size * int8.weight_bytes / bw + fast.step_overhead, rel=1e-12)
+    extra = mesh.size * int8.weight_bytes_by_dtype["int8"] * (4 - 1) / bw    # fake devices share the host's rates
+    assert step(slow, int8) - step(fast, int8) == pytest.approx(extra, rel=1e-9)
+    assert step(slow, plain) == step(fast, plain)                           # no int8 weights, no change
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "fp8"])
+def test_calibration_times_each_weight_dtype_as_the_engine_multiplies_it(dtype):
+    """The calibration's matmul probes run the engine's own matmul: XLA's dot for float32, the C++ matmul for
+    the 16-bit and 1-byte weights; on every device at once, each multiplying its own rows."""
+    from jaxinfer.plan.calibrate import engine_matmul, weight_bytes
+
+    mm, x, w = engine_matmul(jax.devices()[:2], dtype, 2, 64)
+    hlo = mm.lower(x, w).compile().as_text()
+    assert ("jaxinfer_quantized_matmul" in hlo) == (dtype != "float32")
+    assert sum(leaf.nbytes for leaf in jax.tree.leaves(w)) == weight_bytes(dtype, 64)
+    reference = np.asarray(x, np.float32) @ np.asarray(w.dequantize() if hasattr(w, "dequantize") else w, np.float32)
+    bound = 2.0**-8 if dtype == "bfloat16" else 1e-5   # a bfloat16 product is rounded to bfloat16 (2^-9 of it)
+    np.testing.assert_allclose(np.asarray(mm(x, w), np.float32), reference, atol=bound * np.abs(reference).max())
 
 
 def test_workload_parsing_and_the_layouts_a_model_admits(hf_tiny):

@@ -2,8 +2,12 @@
 with every one of N devices busy at once and stored as the host's (N times a device's share; the planner
 splits them over the devices of a mesh, jaxinfer.plan.hardware):
 - memory bandwidth: a sum over a float32 array of 32 MiB per device (bigger than the caches);
-- matmul rate per weight dtype: [256, 1024] x [1024, 1024] per device in float32 and bfloat16; int8 and fp8
-  weights, which XLA:CPU has no units for, at the rate of their bfloat16 matmul after a dequantize;
+- matmul rate per weight dtype: [256, 1024] x [1024, 1024] per device, float32 and bfloat16 as XLA multiplies
+  them; on CPU, bfloat16, int8 and fp8 weights again as the engine holds and multiplies them (the C++ matmul,
+  jaxinfer.device.matmul), which the planner takes;
+- weight read rate per weight dtype (CPU): bytes/s of a one-row matmul by a [4096, 4096] weight per device, as
+  the engine runs it: decode's matmuls, where the C++ matmul's conversion of each 1- or 2-byte weight, not
+  the memory, sets the pace;
 - collectives: an all-reduce over all N devices of 4 bytes (the latency) and of 4 MiB (the bandwidth);
 - step overhead: a decode step of a one-layer model 64 wide on one device (the engine's host work per step:
   schedule, pack, dispatch, fetch).
@@ -16,6 +20,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +74,43 @@ def matmul_rate(mesh, n: int, dtype, m: int = 256, k: int = 1024) -> float:
     return 2 * m * k * k / queued_seconds(lambda: mm(a, b))
 
 
+def engine_matmul(devices: list, dtype: str, m: int, k: int) -> tuple[Callable, jax.Array, Any]:
+    """One [m, k] x [k, k] matmul per device, every device at once, by a weight of `dtype` ("float32",
+    "bfloat16", "int8", "fp8") held and multiplied as the engine holds and multiplies a model's on CPU: float32
+    by XLA's dot, the others by the C++ matmul (the 16-bit one with unit scales), in jaxinfer.device.matmul.
+    Activations in float32, bfloat16 for a bfloat16 weight (a bfloat16 model's). Returns (jitted fn, x, w)."""
+    from jaxinfer.device import quant_matmul_cpu
+    from jaxinfer.device.matmul import model_matmul
+    from jaxinfer.mesh import MeshConfig
+    from jaxinfer.quant import QuantArray, quantize
+    from jaxinfer.sharding import Layout
+
+    n, axes = len(devices), ("embed", "mlp")
+    layout = Layout(MeshConfig(dp=n).make(devices))
+    w = jax.random.normal(jax.random.key(1), (k, k), jnp.float32) * 0.02
+    x_dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+    if dtype in ("int8", "fp8"):
+        w = quantize(w, dtype, contract=1, out=1, axes=axes)
+    elif dtype == "bfloat16" and quant_matmul_cpu.available():   # as jaxinfer.device.matmul.kernel_weights holds it
+        w = QuantArray(w.astype(jnp.bfloat16), jnp.ones((1, k), jnp.float32), out=1, block=k, axes=axes)
+    else:
+        w = w.astype(dtype)
+    w = jax.device_put(w, layout.sharding(()))
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (n, m, k), x_dtype), layout.sharding(("batch", None, None)))
+    return jax.jit(lambda x, w: model_matmul(x, w, 1, layout, "cpu")), x, w
+
+
+def engine_matmul_seconds(devices: list, dtype: str, m: int, k: int) -> float:
+    """`engine_matmul`'s time: a rate (queued calls)."""
+    mm, x, w = engine_matmul(devices, dtype, m, k)
+    return queued_seconds(lambda: mm(x, w))
+
+
+def weight_bytes(dtype: str, k: int) -> int:
+    """A [k, k] weight's bytes as the engine holds it, scales included."""
+    return k * k * {"float32": 4, "bfloat16": 2, "int8": 1, "fp8": 1}[dtype] + (4 * k if dtype != "float32" else 0)
+
+
 def all_reduce_seconds(mesh, n: int, words: int) -> float:
     x = _sharded(mesh, (n, words), jnp.float32)
     reduce = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "d"), mesh=mesh, in_specs=PartitionSpec("d"),
@@ -112,14 +154,18 @@ def calibrate(devices: int) -> DeviceKind:
     if len(cpus) < devices:
         raise ValueError(f"calibrating for {devices} devices needs that many CPU devices, JAX has {len(cpus)}")
     f = measure(cpus[:devices])
-    bf16 = devices * f["matmul_flops"]["bfloat16"]
+    rates = {"float32": devices * f["matmul_flops"]["float32"]}
+    m, k, rows, read_k = 256, 1024, 1, 4096
+    for dtype in ("bfloat16", "int8", "fp8"):
+        rates[dtype] = devices * 2 * m * k * k / engine_matmul_seconds(cpus[:devices], dtype, m, k)
+    reads = {dtype: devices * weight_bytes(dtype, read_k) / engine_matmul_seconds(cpus[:devices], dtype, rows, read_k)
+             for dtype in ("float32", "bfloat16", "int8", "fp8")}
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    kind = DeviceKind("cpu", memory / devices, devices * f["memory_bandwidth"],
-                      {"float32": devices * f["matmul_flops"]["float32"], "bfloat16": bf16, "int8": bf16, "fp8": bf16},
+    kind = DeviceKind("cpu", memory / devices, devices * f["memory_bandwidth"], rates,
                       link_bandwidth=f.get("link_bandwidth", 1e12), link_latency=f.get("link_latency", 0.0),
                       step_overhead=f["step_overhead"],
                       source=f"calibrated {time.strftime('%Y-%m-%d')} on {os.cpu_count()} cores, {devices} devices",
-                      shared=True)
+                      shared=True, weight_read=reads)
     path = calibration_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     stored = json.loads(path.read_text()) if path.is_file() else {}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from jaxinfer.checkpoint import abstract, is_spec
 from jaxinfer.collectives import KINDS, Report, collective_report
@@ -27,6 +28,7 @@ from jaxinfer.engine.scheduler import SchedulerOutput
 from jaxinfer.mesh import MeshConfig
 from jaxinfer.models import model_for
 from jaxinfer.models.llama import Experts
+from jaxinfer.quant import QTYPES, QuantArray, qtype_name
 from jaxinfer.quant_formats import STORED_QTYPES, StoredQuantization, quantized_specs
 from jaxinfer.sharding import Layout, device_bytes
 
@@ -44,6 +46,7 @@ class CompiledLayout:
     prefill: Report
     decode_shape: tuple[int, int]    # (tokens, sequences) per replica of the compiled decode step
     prefill_shape: tuple[int, int]
+    weight_bytes_by_dtype: dict[str, int]   # weight_bytes by the dtype the matmuls read them in (`bytes_by_dtype`)
 
 
 def layout_engine(cfg: ModelConfig, mesh: MeshConfig, dtype, config: EngineConfig, decode_seqs: int = 1,
@@ -87,6 +90,17 @@ def expert_weights(weights) -> list:
     return [(e.gate_up, e.down) for e in experts if isinstance(e, Experts)]
 
 
+def bytes_by_dtype(weights, device: jax.Device) -> dict[str, int]:
+    """The bytes of `weights` on `device` by the dtype a matmul reads them in ("float32", "bfloat16", "int8",
+    "fp8"): a QuantArray's scales count with its values."""
+    out: dict[str, int] = {}
+    for w in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, QuantArray)):
+        dtype = jnp.dtype(w.values.dtype if isinstance(w, QuantArray) else w.dtype)
+        name = qtype_name(dtype) if dtype in QTYPES.values() else dtype.name
+        out[name] = out.get(name, 0) + device_bytes(w, device)
+    return out
+
+
 def compile_layout(cfg: ModelConfig, mesh: MeshConfig, dtype, config: EngineConfig, decode_seqs: int,
                    devices: list | None = None, programs: bool = True) -> CompiledLayout:
     """Compile the layout's decode step of `decode_seqs` sequences per replica (per microbatch under pp) and its
@@ -104,4 +118,4 @@ def compile_layout(cfg: ModelConfig, mesh: MeshConfig, dtype, config: EngineConf
     busiest = max(engine.layout.mesh.devices.flat, key=lambda d: device_bytes(weights, d))
     return CompiledLayout(device_bytes(weights, busiest), device_bytes(expert_weights(weights), busiest),
                           engine.kv_bytes_per_token, program(decode, False), program(prefill, engine.sp > 1),
-                          decode, prefill)
+                          decode, prefill, bytes_by_dtype(weights, busiest))

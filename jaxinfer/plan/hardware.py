@@ -35,10 +35,18 @@ class DeviceKind:
     source: str                   # where the figures come from
     shared: bool = False          # the devices share one host's cores and memory (fake CPU devices): the memory
                                   # bandwidth and matmul rates above are the host's, split over a mesh's devices
+    weight_read: dict[str, float] = dataclasses.field(default_factory=dict)
+                                  # bytes/s a one-row matmul reads weights of a dtype at, where that is not the
+                                  # memory bandwidth: a CPU's C++ matmul converts each 1- or 2-byte weight on the
+                                  # way, which costs more than reading it (jaxinfer.plan.calibrate)
 
     def rate(self, weight_dtype: str) -> float:
         """Matmul rate for weights of this dtype; a dtype the device has no units for runs at bfloat16's."""
         return self.matmul_rate.get(weight_dtype) or self.matmul_rate["bfloat16"]
+
+    def weight_seconds(self, bytes_by_dtype: dict[str, int]) -> float:
+        """Seconds to read weights of these bytes per dtype once, as a decode step does."""
+        return sum(n / (self.weight_read.get(d) or self.memory_bandwidth) for d, n in bytes_by_dtype.items())
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -77,11 +85,12 @@ def calibration_path() -> Path:
 
 
 # A CPU's figures before it is calibrated: `python -m jaxinfer.plan --calibrate --devices 8` on the 2-core
-# development machine (2026-12-03); a plan for another CPU should be made after calibrating it.
-CPU_DEFAULT = DeviceKind("cpu", 3.16 * GB, 19.9 * GB, {"float32": 101e9, "bfloat16": 110e9, "int8": 110e9,
-                                                       "fp8": 110e9},
-                         link_bandwidth=1.10 * GB, link_latency=645e-6, step_overhead=3.36e-3,
-                         source="defaults: a 2-core development machine, 8 fake devices", shared=True)
+# development machine (2026-12-07); a plan for another CPU should be made after calibrating it.
+CPU_DEFAULT = DeviceKind("cpu", 3.16 * GB, 19.3 * GB, {"float32": 108e9, "bfloat16": 93.6e9, "int8": 92.2e9,
+                                                       "fp8": 92.8e9},
+                         link_bandwidth=1.07 * GB, link_latency=831e-6, step_overhead=3.04e-3,
+                         source="defaults: a 2-core development machine, 8 fake devices", shared=True,
+                         weight_read={"float32": 19.5 * GB, "bfloat16": 14.3 * GB, "int8": 8.77 * GB, "fp8": 8.04 * GB})
 
 
 def device_kind(name: str, devices: int) -> DeviceKind:

@@ -7,7 +7,9 @@ A step (one call of the engine's program) on a device takes
       reduce-scatter and all-gather; else 1) / link bandwidth
     + the engine's host work per step (schedule, pack, dispatch: the device kind's step_overhead).
 Bytes read: the device's weights once per call, its MoE experts at the share its tokens chose (`expert_share`),
-and the K/V of its share of the sequences' context.
+and the K/V of its share of the sequences' context. Weights of a dtype a device reads slower than its memory
+(a CPU's 1- and 2-byte weights, converted by the C++ matmul as it reads them: DeviceKind.weight_read) take
+their bytes at that rate.
 
 The workload per replica (dp x ep replicas share the concurrency): B sequences, in M = min(pp, B) microbatches
 of b under pp. Decode: each call advances one microbatch by a token and a microbatch passes pp calls per
@@ -89,10 +91,10 @@ def step_seconds(cfg: ModelConfig, mesh: MeshConfig, device: DeviceKind, weight_
     flops = (per_device * (matmul_flops_per_token(cfg, layers) + attention_flops_per_token(cfg, layers, context))
              / mesh.tp + 2 * sampled * cfg.hidden_size * cfg.vocab_size / mesh.tp)
     weights = held.weight_bytes - held.expert_bytes * (1 - expert_share(cfg, mesh, tokens, routed))
-    read = weights + seqs * context / mesh.sp * held.kv_bytes_per_token
+    read = (device.weight_seconds(held.weight_bytes_by_dtype) * weights / max(held.weight_bytes, 1)
+            + seqs * context / mesh.sp * held.kv_bytes_per_token / device.memory_bandwidth)
     share = mesh.size if device.shared else 1    # fake CPU devices split the host's rates
-    return (share * max(flops / device.rate(weight_dtype), read / device.memory_bandwidth) + collectives
-            + device.step_overhead)
+    return share * max(flops / device.rate(weight_dtype), read) + collectives + device.step_overhead
 
 
 def estimate(cfg: ModelConfig, mesh: MeshConfig, device: DeviceKind, workload: Workload, compiled: CompiledLayout,
