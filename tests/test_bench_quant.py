@@ -2,7 +2,18 @@
 
 import json
 
+import jax
+import jax.numpy as jnp
+import pytest
+
 from jaxinfer.bench import quant
+from jaxinfer.config import EngineConfig
+from jaxinfer.mesh import MeshConfig
+from jaxinfer.models import config_from_dir
+from jaxinfer.plan import Workload
+from jaxinfer.plan.compiled import compile_layout
+from jaxinfer.plan.hardware import device_kind
+from jaxinfer.plan.planner import evaluate
 
 
 def test_rows_report_bytes_capacity_and_accuracy(hf_tiny, capsys):
@@ -28,6 +39,18 @@ def test_rows_report_bytes_capacity_and_accuracy(hf_tiny, capsys):
     for x in (int8, kv):
         assert 0 < x["kl_mean"] <= x["kl_max"] < 0.02 and 0 < x["max_logit_error"] and x["greedy_agreement"] > 0.5
         assert x["decode_tokens_per_second"] > 0 and x["speedup"] > 0
+    # beside each, the planner's decode tok/s for the variant as served: int8's weights are fewer bytes, each read
+    # at int8's rate on this machine's device kind; the fp8 KV row holds float32's weights
+    kind = device_kind("cpu", len(jax.devices()))
+    cfg = config_from_dir(hf_tiny / "llama")
+    for x, q in ((base, None), (int8, "int8")):
+        planned = compile_layout(cfg, MeshConfig(), jnp.float32, EngineConfig(quantization=q), 1, programs=False)
+        workload = Workload(prompt=8, output=4, concurrency=1)
+        est = evaluate(cfg, MeshConfig(), kind, workload, jnp.float32, EngineConfig(quantization=q), planned,
+                       programs=False).estimate
+        assert x["predicted_decode_tokens_per_second"] == pytest.approx(1 / est.tpot_s, rel=1e-9)
+    assert int8["predicted_decode_tokens_per_second"] != base["predicted_decode_tokens_per_second"]
+    assert table[3].split()[7] == f"{int8['predicted_decode_tokens_per_second']:.1f}"
 
 
 def test_the_ratio_to_bfloat16_is_each_rows_own():

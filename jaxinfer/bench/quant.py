@@ -7,6 +7,9 @@ its MBU (jaxinfer.bench.decode: the bytes a step actually reads, 1-byte weights 
 accuracy cost against the float32 model on the same prompts, teacher-forced: per-token KL divergence (mean
 and max; MaxText's logit checker gates on a max of 0.02), the largest logit error, and greedy agreement
 (the share of positions whose argmax is the float32 model's). Ratios are within one run of one process.
+Beside each measured decode tok/s, the layout planner's prediction for it (`predicted_decode`: one sequence,
+this device kind's figures, jaxinfer.plan), so the roofline's cost of each weight dtype is held against the
+engine in the same run.
 
 `weight_matmuls` times one weight's matmul in each form alone (the GPU check runs it).
 """
@@ -69,11 +72,13 @@ def run(args: argparse.Namespace) -> dict:
             logits = llm.logits(prompts)
             reference = reference or logits
             speed = decode.bench_batch(llm, 1, args.prompt_len, args.max_tokens, args.seed, bandwidth, repeats=2)
+            predicted = predicted_decode(llm, args.prompt_len, args.max_tokens)
             rows.append({"variant": name, "dtype": dtype, "quantization": quantization, "kv_cache_dtype": kv,
                          "weight_bytes_per_device": llm.parameter_bytes_per_device(),
                          "kv_bytes_per_token": llm.engine.kv_bytes_per_token,
                          "kv_tokens_per_gib": 2**30 // llm.engine.kv_bytes_per_token,
                          "decode_tokens_per_second": speed["decode_tokens_per_second"], "mbu": speed["mbu"],
+                         "predicted_decode_tokens_per_second": predicted,
                          "weight_bytes_per_step": speed["weight_bytes_per_step"],
                          **accuracy(logits, reference)})
         finally:
@@ -85,6 +90,27 @@ def run(args: argparse.Namespace) -> dict:
     return {"model": str(path), "random_weights": random_weights, "mesh": args.mesh or "one device",
             "memory_bandwidth_gbps": bandwidth, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
             "rows": rows}
+
+
+def predicted_decode(llm, prompt_len: int, max_tokens: int) -> float:
+    """The planner's decode tok/s for one sequence of `llm` as it is served (its dtype, weight quantization, KV
+    dtype and mesh; collectives from its compiled programs), on this machine's device kind: 1 / TPOT."""
+    import jax
+
+    from jaxinfer.mesh import MeshConfig
+    from jaxinfer.plan import Workload
+    from jaxinfer.plan.auto import local_device_kind
+    from jaxinfer.plan.compiled import compile_layout
+    from jaxinfer.plan.hardware import device_kind
+    from jaxinfer.plan.planner import evaluate
+
+    mesh, devices = llm.mesh_config, list(llm.layout.mesh.devices.flat)
+    kind = device_kind(local_device_kind(devices[0]), len(jax.devices()))
+    single = compile_layout(llm.config, MeshConfig(), llm.dtype, llm.engine.config, 1, devices, programs=False)
+    workload = Workload(prompt=prompt_len, output=max_tokens, concurrency=1)
+    c = evaluate(llm.config, mesh, kind, workload, llm.dtype, llm.engine.config, single, mesh_devices=devices,
+                 programs=mesh.size > 1)
+    return 1 / c.estimate.tpot_s
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -172,11 +198,12 @@ def readable(r: dict) -> str:
     lines = [f"model {r['model']}{' (random weights)' if r['random_weights'] else ''} on {r['mesh']}; batch-1 "
              f"decode of {r['max_tokens']} tokens after {r['prompt_len']}; accuracy against float32, teacher-forced",
              f"{'variant':<9} {'MiB/device':>10} {'KV tok/GiB':>10} {'decode tok/s':>12} {'x f32':>6} {'x bf16':>6} "
-             f"{'MBU':>6} {'KL mean':>9} {'KL max':>9} {'max |dlogit|':>12} {'greedy':>7}"]
+             f"{'MBU':>6} {'predicted':>9} {'KL mean':>9} {'KL max':>9} {'max |dlogit|':>12} {'greedy':>7}"]
     for x in r["rows"]:
         vs_bf16 = "-" if x["speedup_vs_bfloat16"] is None else f"{x['speedup_vs_bfloat16']:.2f}"
         lines.append(f"{x['variant']:<9} {x['weight_bytes_per_device'] / 2**20:>10.1f} {x['kv_tokens_per_gib']:>10} "
                      f"{x['decode_tokens_per_second']:>12.1f} {x['speedup']:>6.2f} {vs_bf16:>6} {x['mbu']:>6.1%} "
+                     f"{x['predicted_decode_tokens_per_second']:>9.1f} "
                      f"{x['kl_mean']:>9.2e} {x['kl_max']:>9.2e} {x['max_logit_error']:>12.4f} "
                      f"{x['greedy_agreement']:>7.1%}")
     return "\n".join(lines)
