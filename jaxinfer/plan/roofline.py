@@ -91,10 +91,10 @@ def step_seconds(cfg: ModelConfig, mesh: MeshConfig, device: DeviceKind, weight_
     flops = (per_device * (matmul_flops_per_token(cfg, layers) + attention_flops_per_token(cfg, layers, context))
              / mesh.tp + 2 * sampled * cfg.hidden_size * cfg.vocab_size / mesh.tp)
     weights = held.weight_bytes - held.expert_bytes * (1 - expert_share(cfg, mesh, tokens, routed))
-    read = (device.weight_seconds(held.weight_bytes_by_dtype) * weights / max(held.weight_bytes, 1)
-            + seqs * context / mesh.sp * held.kv_bytes_per_token / device.memory_bandwidth)
+    read_s = (device.weight_seconds(held.weight_bytes_by_dtype) * weights / max(held.weight_bytes, 1)
+              + seqs * context / mesh.sp * held.kv_bytes_per_token / device.memory_bandwidth)
     share = mesh.size if device.shared else 1    # fake CPU devices split the host's rates
-    return share * max(flops / device.rate(weight_dtype), read) + collectives + device.step_overhead
+    return share * max(flops / device.rate(weight_dtype), read_s) + collectives + device.step_overhead
 
 
 def estimate(cfg: ModelConfig, mesh: MeshConfig, device: DeviceKind, workload: Workload, compiled: CompiledLayout,
