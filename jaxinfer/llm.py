@@ -31,7 +31,7 @@ from jaxinfer.models import config_from_dict, config_from_dir, model_for
 from jaxinfer.plan.auto import AUTO, auto_mesh
 from jaxinfer.plan.planner import Plan
 from jaxinfer.quant import weight_quantization
-from jaxinfer.quant_formats import quantized_specs, stored_quantization
+from jaxinfer.quant_formats import StoredQuantization, quantized_specs, stored_quantization
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sharding import Layout, device_bytes, validate
 from jaxinfer.tokenizer import Tokenizer, TokenizerError
@@ -68,9 +68,10 @@ class LLM:
         Everything is checked before any weight is read."""
         engine_config = _engine_config(engine_config, engine_args)
         self.path: Path | None = Path(model)
-        self._check(config_from_dir(self.path), mesh, dtype, engine_config)
-        checkpoint = open_checkpoint(self.path)
+        config = config_from_dir(self.path)
         stored = stored_quantization(read_json(self.path / "config.json"))
+        self._check(config, mesh, dtype, engine_config, stored)
+        checkpoint = open_checkpoint(self.path)
         converted = checkpoint.quantization if isinstance(checkpoint, Converted) else None
         for held, how in ((stored and stored.qtype, "stored quantized"), (converted, "converted quantized")):
             if held is not None and engine_config.quantization not in (None, held):
@@ -106,14 +107,16 @@ class LLM:
                    quantize=lambda specs: quantized_specs(specs, engine_config.quantization))
         return llm
 
-    def _check(self, config: ModelConfig, mesh: str | MeshConfig, dtype: str, engine_config: EngineConfig) -> None:
+    def _check(self, config: ModelConfig, mesh: str | MeshConfig, dtype: str, engine_config: EngineConfig,
+               stored: StoredQuantization | None = None) -> None:
         """The model against the mesh and the devices, and the serving dtype: before any weight exists. "auto":
-        the layout planner's choice for the devices at hand (jaxinfer.plan.auto), its plan kept as `plan`."""
+        the layout planner's choice for the devices at hand (jaxinfer.plan.auto), its plan kept as `plan`, a
+        pre-quantized checkpoint's weights (`stored`) planned as it holds them."""
         self.config = config
         self.dtype = resolve_dtype(dtype, self.config)
         self.plan: Plan | None = None
         if isinstance(mesh, str) and mesh.strip() == AUTO:
-            mesh, self.plan = auto_mesh(config, self.dtype, engine_config)
+            mesh, self.plan = auto_mesh(config, self.dtype, engine_config, stored=stored)
         self.mesh_config = MeshConfig.parse(mesh)
         validate(self.config, self.mesh_config)
         self.mesh_config.check_devices(len(jax.devices()))

@@ -31,6 +31,8 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.bench.quant import one_byte_copies
 from jaxinfer.checkpoint import CheckpointError
 from jaxinfer.device.matmul import contraction_minor
+from jaxinfer.plan.compiled import compile_layout
+from jaxinfer.plan.planner import weight_dtype
 from jaxinfer.quant import QMAX, QuantArray, by_blocks, fp8_matmul, matmul, max_error, quantize
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -144,6 +146,12 @@ def test_prequantized_checkpoint_is_its_values_times_scales(prequantized, name, 
             assert len(leaves) == 4 and all(q.values.dtype == jnp.dtype(
                 jnp.float8_e4m3fn if qtype == "fp8" else jnp.int8) for q in leaves)
             assert llm.parameter_bytes_per_device() < 0.6 * ref.parameter_bytes_per_device()
+            # the planner (and --mesh auto) holds the checkpoint's weights as it is served: its bytes, its dtype
+            planned = compile_layout(llm.config, llm.mesh_config, llm.dtype, llm.engine.config, 1, programs=False,
+                                     stored=llm.stored_quantization)
+            assert planned.weight_bytes == llm.parameter_bytes_per_device()
+            assert set(planned.weight_bytes_by_dtype) == {"float32", qtype}
+            assert weight_dtype(llm.dtype, llm.engine.config, llm.stored_quantization) == qtype
             flat = jax.tree.leaves(llm.weights, is_leaf=lambda x: isinstance(x, QuantArray))
             for ours, want in zip(flat, jax.tree.leaves(ref.weights), strict=True):
                 got = ours.dequantize(jnp.float32) if isinstance(ours, QuantArray) else ours

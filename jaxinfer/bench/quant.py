@@ -106,10 +106,12 @@ def predicted_decode(llm, prompt_len: int, max_tokens: int) -> float:
 
     mesh, devices = llm.mesh_config, list(llm.layout.mesh.devices.flat)
     kind = device_kind(local_device_kind(devices[0]), len(jax.devices()))
-    single = compile_layout(llm.config, MeshConfig(), llm.dtype, llm.engine.config, 1, devices, programs=False)
+    stored = llm.stored_quantization
+    single = compile_layout(llm.config, MeshConfig(), llm.dtype, llm.engine.config, 1, devices, programs=False,
+                            stored=stored)
     workload = Workload(prompt=prompt_len, output=max_tokens, concurrency=1)
     c = evaluate(llm.config, mesh, kind, workload, llm.dtype, llm.engine.config, single, mesh_devices=devices,
-                 programs=mesh.size > 1)
+                 programs=mesh.size > 1, stored=stored)
     return 1 / c.estimate.tpot_s
 
 

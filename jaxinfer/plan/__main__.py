@@ -93,6 +93,7 @@ def _plan(cfg, name, args, device, workload, engine_config):
 
     from jaxinfer.llm import resolve_dtype
     from jaxinfer.plan.planner import plan
+    from jaxinfer.quant_formats import stored_quantization
 
     layouts(cfg, args.devices, workload, engine_config.page_size)   # none at all: refused before JAX starts
     at_hand = jax.devices()
@@ -103,7 +104,8 @@ def _plan(cfg, name, args, device, workload, engine_config):
     return plan(cfg, args.devices, device, workload, resolve_dtype(args.dtype, cfg), engine_config,
                 ttft_s=None if args.ttft_ms is None else args.ttft_ms / 1e3,
                 tpot_s=None if args.tpot_ms is None else args.tpot_ms / 1e3, mesh_devices=devices, name=name,
-                progress=lambda mesh: print(f"compiling {mesh}", file=sys.stderr) if not args.json else None)
+                progress=lambda mesh: print(f"compiling {mesh}", file=sys.stderr) if not args.json else None,
+                stored=stored_quantization(config_json(args.model)) if args.model else None)
 
 
 if __name__ == "__main__":

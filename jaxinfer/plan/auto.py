@@ -11,6 +11,7 @@ from jaxinfer.mesh import MeshConfig, MeshError
 from jaxinfer.plan.hardware import KINDS, device_kind
 from jaxinfer.plan.planner import Plan, plan
 from jaxinfer.plan.workload import Workload
+from jaxinfer.quant_formats import StoredQuantization
 
 log = logging.getLogger("jaxinfer")
 AUTO = "auto"
@@ -37,14 +38,16 @@ def default_workload(cfg: ModelConfig, config: EngineConfig) -> Workload:
 
 
 def auto_mesh(cfg: ModelConfig, dtype, config: EngineConfig, workload: Workload | None = None,
-              devices: list | None = None, compiles: int | None = None) -> tuple[MeshConfig, Plan]:
+              devices: list | None = None, compiles: int | None = None,
+              stored: StoredQuantization | None = None) -> tuple[MeshConfig, Plan]:
     """The planner's first choice on `devices` (default: every device at hand), compiling at most `compiles`
-    (default AUTO_COMPILES) layouts and only what can win (plan(prune=...)), logged with the runner-up."""
+    (default AUTO_COMPILES) layouts and only what can win (plan(prune=...)), logged with the runner-up; a
+    pre-quantized checkpoint's weights (`stored`) planned as it holds them."""
     devices = devices or jax.devices()
     workload = workload or default_workload(cfg, config)
     kind = device_kind(local_device_kind(devices[0]), len(devices))
     result = plan(cfg, len(devices), kind, workload, dtype, config, mesh_devices=devices,
-                  prune=compiles or AUTO_COMPILES)
+                  prune=compiles or AUTO_COMPILES, stored=stored)
     runner_up = next((c for c in result.ranked[1:] if c.excluded is None), None)
     log.info("--mesh auto on %d %s devices for %s: %s; runner-up: %s", len(devices), kind.name, workload,
              result.why(), f"{runner_up.mesh} ({runner_up.estimate.tokens_per_s:,.0f} tok/s)" if runner_up else "none")

@@ -102,11 +102,13 @@ def bytes_by_dtype(weights, device: jax.Device) -> dict[str, int]:
 
 
 def compile_layout(cfg: ModelConfig, mesh: MeshConfig, dtype, config: EngineConfig, decode_seqs: int,
-                   devices: list | None = None, programs: bool = True) -> CompiledLayout:
+                   devices: list | None = None, programs: bool = True,
+                   stored: StoredQuantization | None = None) -> CompiledLayout:
     """Compile the layout's decode step of `decode_seqs` sequences per replica (per microbatch under pp) and its
     prefill chunk of config.max_tokens_per_step tokens, on the first mesh.size of `devices` (default: all).
-    programs=False: the bytes alone, nothing compiled (empty reports)."""
-    engine = layout_engine(cfg, mesh, dtype, config, decode_seqs, devices)
+    programs=False: the bytes alone, nothing compiled (empty reports). stored: a pre-quantized checkpoint's
+    scheme (layout_engine)."""
+    engine = layout_engine(cfg, mesh, dtype, config, decode_seqs, devices, stored)
 
     def program(shape: tuple[int, int], ring: bool) -> Report:
         if not programs:

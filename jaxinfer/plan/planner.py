@@ -17,6 +17,7 @@ from jaxinfer.plan.compiled import CompiledLayout, compile_layout
 from jaxinfer.plan.hardware import DeviceKind
 from jaxinfer.plan.roofline import Estimate, estimate
 from jaxinfer.plan.workload import Workload, layouts
+from jaxinfer.quant_formats import StoredQuantization
 
 MIN_ETA = 0.6
 
@@ -112,13 +113,14 @@ def _size(n: float) -> str:
     return f"{int(n)} B"
 
 
-def weight_dtype(dtype, config: EngineConfig) -> str:
-    return config.quantization or jnp.dtype(dtype).name
+def weight_dtype(dtype, config: EngineConfig, stored: StoredQuantization | None = None) -> str:
+    return config.quantization or (stored and stored.qtype) or jnp.dtype(dtype).name
 
 
 def plan(cfg: ModelConfig, devices: int, device: DeviceKind, workload: Workload, dtype, config: EngineConfig,
          ttft_s: float | None = None, tpot_s: float | None = None, mesh_devices: list | None = None,
-         progress: Callable[[MeshConfig], None] = lambda mesh: None, name: str = "", prune: int = 0) -> Plan:
+         progress: Callable[[MeshConfig], None] = lambda mesh: None, name: str = "", prune: int = 0,
+         stored: StoredQuantization | None = None) -> Plan:
     """Plan `cfg` on `devices` devices of `device`'s kind for `workload`, compiling on `mesh_devices` (default:
     jax.devices(); fake CPU devices for a plan of other devices).
 
@@ -126,11 +128,13 @@ def plan(cfg: ModelConfig, devices: int, device: DeviceKind, workload: Workload,
     Collectives only add time, so a layout's figures with free collectives bound it: layouts are compiled in the
     order of that bound until one is chosen whose throughput no uncompiled layout's bound reaches (then the
     winner is the full plan's), or `prune` are compiled (then it is the best of those); the rest are left out
-    with their bound. The runner-up is the best other layout compiled."""
-    single = compile_layout(cfg, MeshConfig(), dtype, config, 1, mesh_devices, programs=False)
+    with their bound. The runner-up is the best other layout compiled. stored: a pre-quantized checkpoint's
+    scheme (jaxinfer.quant_formats.stored_quantization), its weights planned as it holds them."""
+    single = compile_layout(cfg, MeshConfig(), dtype, config, 1, mesh_devices, programs=False, stored=stored)
 
     def candidate(mesh: MeshConfig, programs: bool) -> Candidate:
-        return evaluate(cfg, mesh, device, workload, dtype, config, single, ttft_s, tpot_s, mesh_devices, programs)
+        return evaluate(cfg, mesh, device, workload, dtype, config, single, ttft_s, tpot_s, mesh_devices, programs,
+                        stored)
 
     bounds = sorted((candidate(m, False) for m in layouts(cfg, devices, workload, config.page_size)),
                     key=lambda c: -c.estimate.tokens_per_s)
@@ -156,14 +160,16 @@ def plan(cfg: ModelConfig, devices: int, device: DeviceKind, workload: Workload,
 
 def evaluate(cfg: ModelConfig, mesh: MeshConfig, device: DeviceKind, workload: Workload, dtype, config: EngineConfig,
              single: CompiledLayout, ttft_s: float | None = None, tpot_s: float | None = None,
-             mesh_devices: list | None = None, programs: bool = True) -> Candidate:
+             mesh_devices: list | None = None, programs: bool = True,
+             stored: StoredQuantization | None = None) -> Candidate:
     """One layout compiled (programs=False: its bytes alone, collectives free) and costed; `single`: the model's
     bytes on one device (compile_layout(..., programs=False) of the one-device mesh), for eta."""
     replicas = mesh.dp * mesh.ep
     seqs = math.ceil(workload.concurrency / replicas)
-    compiled = compile_layout(cfg, mesh, dtype, config, math.ceil(seqs / min(mesh.pp, seqs)), mesh_devices, programs)
+    compiled = compile_layout(cfg, mesh, dtype, config, math.ceil(seqs / min(mesh.pp, seqs)), mesh_devices, programs,
+                              stored)
     chunk = 1 << (max(config.max_tokens_per_step, 16) - 1).bit_length()
-    est = estimate(cfg, mesh, device, workload, compiled, weight_dtype(dtype, config), single, chunk)
+    est = estimate(cfg, mesh, device, workload, compiled, weight_dtype(dtype, config, stored), single, chunk)
     free = config.memory_fraction * device.memory_bytes - compiled.weight_bytes
     kv_tokens = max(0, int(free // compiled.kv_bytes_per_token)) * mesh.sp
     max_seqs = kv_tokens // (workload.prompt + workload.output) * replicas
