@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         device = device_kind(args.device, args.devices)
         workload = Workload.parse(args.workload)
         engine_config = EngineConfig.from_cli_args(args)
-        cfg, name = model_config(args.model)
-        result = _plan(cfg, name, args, device, workload, engine_config)
+        cfg, name, stored = model_config(args.model)
+        result = _plan(cfg, name, stored, args, device, workload, engine_config)
     except (ValueError, OSError) as e:   # MeshError and ConfigError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -70,13 +70,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def model_config(model: str | None):
-    """(ModelConfig, name) of a checkpoint directory or a config.json; the embedded default's without one."""
+    """(ModelConfig, name, stored quantization or None) of a checkpoint directory or a config.json; the embedded
+    default's without one."""
     from jaxinfer.models import config_from_dict
+    from jaxinfer.quant_formats import stored_quantization
     from jaxinfer.random_model import DEFAULT
 
     if model is None:
-        return config_from_dict(dict(DEFAULT)), "jaxinfer-random-small"
-    return config_from_dict(config_json(model)), str(model)
+        return config_from_dict(dict(DEFAULT)), "jaxinfer-random-small", None
+    config = config_json(model)
+    return config_from_dict(config), str(model), stored_quantization(config)
 
 
 def config_json(model: str) -> dict:
@@ -88,12 +91,11 @@ def config_json(model: str) -> dict:
     return read_json(path)
 
 
-def _plan(cfg, name, args, device, workload, engine_config):
+def _plan(cfg, name, stored, args, device, workload, engine_config):
     import jax
 
     from jaxinfer.llm import resolve_dtype
     from jaxinfer.plan.planner import plan
-    from jaxinfer.quant_formats import stored_quantization
 
     layouts(cfg, args.devices, workload, engine_config.page_size)   # none at all: refused before JAX starts
     at_hand = jax.devices()
@@ -105,7 +107,7 @@ def _plan(cfg, name, args, device, workload, engine_config):
                 ttft_s=None if args.ttft_ms is None else args.ttft_ms / 1e3,
                 tpot_s=None if args.tpot_ms is None else args.tpot_ms / 1e3, mesh_devices=devices, name=name,
                 progress=lambda mesh: print(f"compiling {mesh}", file=sys.stderr) if not args.json else None,
-                stored=stored_quantization(config_json(args.model)) if args.model else None)
+                stored=stored)
 
 
 if __name__ == "__main__":

@@ -79,10 +79,10 @@ def engine_matmul(devices: list, dtype: str, m: int, k: int) -> tuple[Callable, 
     "bfloat16", "int8", "fp8") held and multiplied as the engine holds and multiplies a model's on CPU: float32
     by XLA's dot, the others by the C++ matmul (the 16-bit one with unit scales), in jaxinfer.device.matmul.
     Activations in float32, bfloat16 for a bfloat16 weight (a bfloat16 model's). Returns (jitted fn, x, w)."""
-    from jaxinfer.device import quant_matmul_cpu
-    from jaxinfer.device.matmul import model_matmul
+    from jaxinfer.checkpoint import ParamSpec
+    from jaxinfer.device.matmul import kernel_weights, model_matmul
     from jaxinfer.mesh import MeshConfig
-    from jaxinfer.quant import QuantArray, quantize
+    from jaxinfer.quant import quantize
     from jaxinfer.sharding import Layout
 
     n, axes = len(devices), ("embed", "mlp")
@@ -91,11 +91,10 @@ def engine_matmul(devices: list, dtype: str, m: int, k: int) -> tuple[Callable, 
     x_dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
     if dtype in ("int8", "fp8"):
         w = quantize(w, dtype, contract=1, out=1, axes=axes)
-    elif dtype == "bfloat16" and quant_matmul_cpu.available():   # as jaxinfer.device.matmul.kernel_weights holds it
-        w = QuantArray(w.astype(jnp.bfloat16), jnp.ones((1, k), jnp.float32), out=1, block=k, axes=axes)
     else:
         w = w.astype(dtype)
     w = jax.device_put(w, layout.sharding(()))
+    w = kernel_weights(w, ParamSpec((k, k), axes, "w", contract=1), layout, "cpu")   # a 16-bit weight as it is held
     x = jax.device_put(jax.random.normal(jax.random.key(0), (n, m, k), x_dtype), layout.sharding(("batch", None, None)))
     return jax.jit(lambda x, w: model_matmul(x, w, 1, layout, "cpu")), x, w
 
