@@ -7,12 +7,16 @@ the biases and the MoE router stay as stored. A model marks its matmul weights (
 a vocab axis (the LM head) is never quantized.
 
 Pre-quantized, from config.json's `quantization_config`:
-- quant_method "fp8" (transformers' fine-grained FP8, as DeepSeek and Qwen3-FP8 publish): float8_e4m3fn
-  weights with float32 `<name>_scale_inv`, one per `weight_block_size` [rows, columns] block of the
+- quant_method "fp8" with a `weight_block_size` (transformers' fine-grained FP8, as DeepSeek and Qwen3-FP8
+  publish): float8_e4m3fn weights with float32 `<name>_scale_inv`, one per [rows, columns] block of the
   [out, in] tensor (any block shape; the edges of a tensor that is not a multiple of it are partial
-  blocks), or one per tensor without a block size. Despite the name, weight = stored * scale_inv.
-- quant_method "compressed-tensors" (llm-compressor's FP8 and INT8 schemes): float8_e4m3fn or int8
-  weights with `<name>_scale`, strategy "tensor", "channel" ([out, 1]) or "block" (`block_structure`).
+  blocks). Despite the name, weight = stored * scale_inv.
+- quant_method "fp8" without one (AutoFP8's and vLLM's per-tensor FP8, as the first FP8 Llama and Mixtral
+  checkpoints were published): `<name>_scale` (`...q_proj.weight_scale`), one per tensor ([] or [1]); a
+  static scheme's `input_scale` is not read.
+- quant_method "compressed-tensors" (llm-compressor's FP8 and INT8 schemes, in its unpacked formats):
+  float8_e4m3fn or int8 weights with `<name>_scale`, strategy "tensor", "channel" ([out, 1]), "group"
+  ([out, in / group_size]) or "block" (`block_structure`).
 A weight is quantized where the checkpoint stores it in 8 bits (the rest, such as the layers a config's
 `ignore` list names, stay as stored), and then its scales must be there. The declared activation scheme
 (dynamic per-token fp8) is recorded; weights-only is what runs where no fp8 matmul exists.
@@ -54,8 +58,10 @@ def stored_quantization(config: dict[str, Any]) -> StoredQuantization | None:
     if method == "fp8":
         if qc.get("fmt", "e4m3") != "e4m3":
             raise CheckpointError(f"fp8 checkpoints in format {qc.get('fmt')!r} are not supported (only e4m3)")
-        rows, cols = _block(qc.get("weight_block_size"), "weight_block_size") or (None, None)
-        return StoredQuantization("fp8", "fp8", "_scale_inv", rows, cols, qc.get("activation_scheme"))
+        block = _block(qc.get("weight_block_size"), "weight_block_size")
+        rows, cols = block or (None, None)
+        suffix = "_scale_inv" if block else "_scale"   # per-tensor FP8 names its scale as vLLM reads it
+        return StoredQuantization("fp8", "fp8", suffix, rows, cols, qc.get("activation_scheme"))
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
     raise CheckpointError(f"quantization_config quant_method {method!r} is not supported: jaxinfer reads 'fp8' "
@@ -63,7 +69,14 @@ def stored_quantization(config: dict[str, Any]) -> StoredQuantization | None:
                           f"checkpoint as it loads (quantization='int8' or 'fp8')")
 
 
+UNPACKED_FORMATS = ("float-quantized", "int-quantized", "naive-quantized")
+
+
 def _compressed_tensors(qc: dict[str, Any]) -> StoredQuantization:
+    fmt = qc.get("format")
+    if fmt is not None and fmt not in UNPACKED_FORMATS:
+        raise CheckpointError(f"compressed-tensors format {fmt!r} is not supported: jaxinfer reads 8-bit weights "
+                              f"stored one per byte ({', '.join(UNPACKED_FORMATS)})")
     groups = list((qc.get("config_groups") or {}).values())
     schemes = {repr(g.get("weights")) for g in groups}
     if len(schemes) != 1:
@@ -78,11 +91,19 @@ def _compressed_tensors(qc: dict[str, Any]) -> StoredQuantization:
         rows, cols = None, None
     elif strategy == "channel":
         rows, cols = 1, None
+    elif strategy == "group":
+        if w.get("actorder") == "group":   # its groups are not consecutive columns (a weight_g_idx maps them)
+            raise CheckpointError("compressed-tensors groups in activation order (actorder='group') are not "
+                                  "supported: jaxinfer reads groups of consecutive input columns")
+        size = w.get("group_size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise CheckpointError(f"compressed-tensors group_size={size!r} must be a positive integer")
+        rows, cols = 1, size
     elif strategy == "block":
         rows, cols = _block(w.get("block_structure"), "block_structure")
     else:
         raise CheckpointError(f"compressed-tensors weight strategy {strategy!r} is not supported (tensor, channel, "
-                              f"block)")
+                              f"group, block)")
     act = groups[0].get("input_activations") or {}
     activations = f"{'dynamic' if act.get('dynamic') else 'static'} {act.get('strategy')}" if act else None
     qtype = "fp8" if kind == "float" else "int8"

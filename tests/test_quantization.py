@@ -132,14 +132,16 @@ def prequantized(hf_tiny, tmp_path_factory):
 @pytest.mark.parametrize(("name", "method", "kw", "mesh"), [
     ("llama", "fp8", {"block": (32, 48)}, "tp=2"),             # blocks not square, 64 inputs in blocks of 48
     ("qwen3", "compressed-tensors", {"strategy": "channel", "qtype": "fp8"}, "tp=2"),
-    ("qwen2", "fp8", {"strategy": "tensor"}, "pp=2"),          # one scale per tensor, no weight_block_size
+    ("qwen2", "fp8", {"strategy": "tensor"}, "pp=2"),          # AutoFP8: one 0-d weight_scale, input_scale too
+    ("llama", "compressed-tensors", {"strategy": "group", "qtype": "int8", "block": (1, 24), "scale_dtype": "bfloat16"},
+     None),                                                    # groups of 24 of the 64 inputs, bfloat16 scales
     ("qwen3_moe", "compressed-tensors", {"strategy": "block", "qtype": "int8", "block": (16, 24)}, "ep=2"),
 ])
 def test_prequantized_checkpoint_is_its_values_times_scales(prequantized, name, method, kw, mesh):
     path, twin = prequantized(name, method, **kw)
     qtype = kw.get("qtype", "fp8")
     prompts = [[1, 5, 9, 33, 2, 7, 11], [1, 40, 41]]
-    for m in ("", mesh):
+    for m in ("", mesh) if mesh else ("",):
         llm, ref = (LLM(p, mesh=m, dtype="float32", compilation_cache=False) for p in (path, twin))
         try:
             leaves = quantized_leaves(llm)
@@ -200,6 +202,15 @@ def test_refused_with_a_clear_message(hf_tiny, prequantized, tmp_path):
     with pytest.raises(CheckpointError, match=r"lacks tensor 'model\.layers\.0\.self_attn\.q_proj\.weight_scale' "
                                               r"\(the scales of a quantized tensor"):
         LLM(bad)
+    # compressed-tensors' packed formats (int4 in int32 words) and groups that a g_idx reorders
+    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True}
+    for qc, message in (({"format": "pack-quantized"}, "format 'pack-quantized' is not supported"),
+                        ({"format": "int-quantized", "config_groups": {"g": {"weights": weights | {"num_bits": 8,
+                          "actorder": "group"}}}}, r"activation order \(actorder='group'\) are not supported")):
+        (bad / "config.json").write_text(json.dumps({**config, "quantization_config": {
+            "quant_method": "compressed-tensors", "config_groups": {"g": {"weights": weights}}, **qc}}))
+        with pytest.raises(CheckpointError, match=message):
+            LLM(bad)
     # 8-bit tensors without any quantization_config
     (bad / "config.json").write_text(json.dumps(config | {"quantization_config": None}))
     with pytest.raises(CheckpointError, match="is stored as F8_E4M3, but config.json declares no quantization"):
