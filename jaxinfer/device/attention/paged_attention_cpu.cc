@@ -5,8 +5,9 @@
 // gathers and matmuls, each a kernel with a fixed cost, so a decode step's attention cost far more than
 // its K/V reads. Here each block of a sequence's query tokens walks that sequence's pages once per kv head,
 // its tokens' G query heads sharing every K/V tile it reads, with an online softmax in float32; scores,
-// exponentials and the weighted sum of V run sixteen lanes at a time, the sum up to four rows at once so that
-// each V row is read once for all of them.
+// exponentials and the weighted sum of V run a vector register's lanes at a time, with as many sums held in
+// registers as the target has (on AVX2 as on AVX-512), the weighted sum up to four rows at once so that each
+// V row is read once for all of them.
 //
 // Operands: q [N, H, D]; k_pages, v_pages [L, KV, P, page, D] (q's dtype: f32, bf16 or f16); layer,
 // num_seqs: int32 scalars; page_table [S, W], seq_lens [S], query_start [S + 1]: int32.
@@ -240,76 +241,64 @@ struct Item {
   int32_t seq, first, tokens, kv_head;
 };
 
-// Keys are taken kTile at a time (one AVX-512 register of float32 scores per query row), whatever the page
+// Keys are taken kTile at a time (a row of float32 scores per query row), whatever the page
 // size: a page of 16 is one tile, of 64 four, of 8 a tile with 8 keys.
 constexpr int64_t kTile = 16;
 
-// Sixteen float32 lanes (GCC/Clang vector extensions: one AVX-512 register, two AVX2 ones, or what the
-// target has), so accumulators stay in registers rather than round-tripping through memory.
+// A tile's sixteen lanes (GCC/Clang vector extensions), for its masks of visible keys.
 typedef float f32x16 __attribute__((vector_size(64)));
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 constexpr f32x16 kLanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
-// The lanes swapped in halves, quarters and eighths: the steps of a tree over sixteen lanes.
-inline f32x16 swap8(f32x16 x) { return __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7); }
-inline f32x16 swap4(f32x16 x) { return __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11); }
-inline f32x16 swap2(f32x16 x) { return __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13); }
-inline f32x16 vmax(f32x16 a, f32x16 b) { return a > b ? a : b; }
-
-// The largest lane and the sum of the lanes: trees of halving shuffles, not chains of sixteen.
-inline float max16(f32x16 x) {
-  x = vmax(x, swap8(x));
-  x = vmax(x, swap4(x));
-  x = vmax(x, swap2(x));
-  return std::max(x[0], x[1]);
+// The arithmetic's vectors: one of the target's registers (sixteen lanes with AVX-512, else eight). GCC keeps
+// a vector wider than the target's in memory, so sums in sixteen lanes on AVX2 would be loaded and stored at
+// every multiply-add; these stay in registers, as many as the target has (kRegisters).
+#ifdef __AVX512F__
+constexpr int64_t kWidth = 16;
+constexpr int kRegisters = 32;
+#else
+constexpr int64_t kWidth = 8;
+constexpr int kRegisters = 16;
+#endif
+typedef float fvec __attribute__((vector_size(kWidth * sizeof(float))));
+typedef int32_t ivec __attribute__((vector_size(kWidth * sizeof(int32_t))));
+inline fvec loadv(const float* p) {
+  fvec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
 }
-inline float sum16(f32x16 x) {
-  x += swap8(x);
-  x += swap4(x);
-  x += swap2(x);
-  return x[0] + x[1];
-}
+inline void storev(float* p, fvec v) { std::memcpy(p, &v, sizeof v); }
 
-// Sixteen vectors of partial sums -> one vector whose lane c is the sum of v[c]'s lanes: four rounds
-// that each add neighbouring pairs while interleaving two vectors into one (15 adds, 30 shuffles).
-inline f32x16 transpose_sums16(f32x16* v) {
-  for (int i = 0; i < 8; ++i)
-    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-  for (int i = 0; i < 4; ++i)
-    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-  for (int i = 0; i < 2; ++i)
-    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-  return __builtin_shufflevector(v[0], v[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-         __builtin_shufflevector(v[0], v[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+// The sum and the largest of a register's lanes.
+inline float sumv(fvec x) {
+  float total = 0.f;
+  for (int64_t i = 0; i < kWidth; ++i) total += x[i];
+  return total;
+}
+inline float maxv(fvec x) {
+  float top = x[0];
+  for (int64_t i = 1; i < kWidth; ++i) top = std::max(top, x[i]);
+  return top;
 }
 
-// exp of sixteen lanes for x <= 88 in plain arithmetic, so it vectorizes (std::exp does not): Cephes'
+// exp of a register's lanes for x <= 88 in plain arithmetic, so it vectorizes (std::exp does not): Cephes'
 // expf, 2^n * e^r with |r| <= ln 2 / 2 (n rounded by the 1.5 * 2^23 trick) and a degree-6 polynomial,
 // within 2 ulp; below -87 it gives ~0.
-inline f32x16 exp16(f32x16 x) {
-  const f32x16 lo = f32x16{} - 87.0f, hi = f32x16{} + 88.0f, magic = f32x16{} + 12582912.0f;
+inline fvec expv(fvec x) {
+  const fvec lo = fvec{} - 87.0f, hi = fvec{} + 88.0f, magic = fvec{} + 12582912.0f;
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
-  const f32x16 n = (x * 1.44269504088896341f + magic) - magic;
-  const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  f32x16 p = f32x16{} + 1.9875691500e-4f;
+  const fvec n = (x * 1.44269504088896341f + magic) - magic;
+  const fvec r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  fvec p = fvec{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  f32x16 scale;
+  const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+  fvec scale;
   std::memcpy(&scale, &bits, sizeof scale);   // 2^n from its exponent bits
   return p * scale;
 }
@@ -322,19 +311,36 @@ const float* as_floats(const T* x, int64_t n, float* buffer) {
   return buffer;
 }
 
-// scores [rows, kTile] = q [rows, d] . k [keys, d]^T (columns past `keys` are left unset). Four rows and
-// more: k transposed once into kt [d, kTile], then four rows at a time, each a register of kTile sums fed
-// by one broadcast per d; fewer rows (a decode token's heads), no transpose: per row, each key's products
-// summed sixteen columns at a time into a register, the sixteen registers then summed lane-wise at once.
+// scores [rows, kTile] = q [rows, d] . k [keys, d]^T (columns past `keys` are left unset). Eight rows and
+// more (a prefill block): k transposed once into kt [d, kTile], then four rows at a time, each a row of kTile
+// sums in registers fed by one broadcast per d. Fewer (a decode token's head group), no transpose: per row,
+// four keys at a time, each key's products summed a register's width of d at a time into a register of its
+// own, then across its lanes (a tile's last group repeats its last key for the columns past `keys`).
 template <typename T>
 void tile_scores(const float* q, int64_t rows, int64_t d, const T* k, int64_t keys, float* kt, float* scores) {
-  if (rows < 4 && d % 16 == 0) {
+  if (rows < 8 && d % kWidth == 0) {
     const float* kf = as_floats(k, keys * d, kt);
     for (int64_t r = 0; r < rows; ++r) {
-      f32x16 v[kTile] = {};
-      for (int64_t c = 0; c < keys; ++c)
-        for (int64_t x = 0; x < d; x += 16) v[c] += load16(q + r * d + x) * load16(kf + c * d + x);
-      store16(scores + r * kTile, transpose_sums16(v));
+      const float* qr = q + r * d;
+      for (int64_t c = 0; c < keys; c += 4) {
+        const float* k0 = kf + c * d;
+        const float* k1 = kf + std::min(c + 1, keys - 1) * d;
+        const float* k2 = kf + std::min(c + 2, keys - 1) * d;
+        const float* k3 = kf + std::min(c + 3, keys - 1) * d;
+        fvec s0{}, s1{}, s2{}, s3{};
+        for (int64_t x = 0; x < d; x += kWidth) {
+          const fvec qx = loadv(qr + x);
+          s0 += qx * loadv(k0 + x);
+          s1 += qx * loadv(k1 + x);
+          s2 += qx * loadv(k2 + x);
+          s3 += qx * loadv(k3 + x);
+        }
+        float* out = scores + r * kTile + c;
+        out[0] = sumv(s0);
+        out[1] = sumv(s1);
+        out[2] = sumv(s2);
+        out[3] = sumv(s3);
+      }
     }
     return;
   }
@@ -350,42 +356,52 @@ void tile_scores(const float* q, int64_t rows, int64_t d, const T* k, int64_t ke
   }
   for (int64_t c = 0; c < kTile; ++c)
     for (int64_t x = 0; x < d; ++x) kt[x * kTile + c] = c < keys ? to_float(k[c * d + x]) : 0.f;
+  constexpr int64_t V = kTile / kWidth;   // registers per row of kTile sums
   int64_t r = 0;
   for (; r + 4 <= rows; r += 4) {   // four rows' sums held in registers across the whole dot product
     const float *q0 = q + r * d, *q1 = q0 + d, *q2 = q1 + d, *q3 = q2 + d;
-    f32x16 s0{}, s1{}, s2{}, s3{};
+    fvec s0[V] = {}, s1[V] = {}, s2[V] = {}, s3[V] = {};
     for (int64_t x = 0; x < d; ++x) {
-      const f32x16 kx = load16(kt + x * kTile);
-      s0 += q0[x] * kx;
-      s1 += q1[x] * kx;
-      s2 += q2[x] * kx;
-      s3 += q3[x] * kx;
+#pragma GCC unroll 2
+      for (int64_t h = 0; h < V; ++h) {
+        const fvec kx = loadv(kt + x * kTile + h * kWidth);
+        s0[h] += q0[x] * kx;
+        s1[h] += q1[x] * kx;
+        s2[h] += q2[x] * kx;
+        s3[h] += q3[x] * kx;
+      }
     }
-    store16(scores + r * kTile, s0);
-    store16(scores + (r + 1) * kTile, s1);
-    store16(scores + (r + 2) * kTile, s2);
-    store16(scores + (r + 3) * kTile, s3);
+#pragma GCC unroll 2
+    for (int64_t h = 0; h < V; ++h) {
+      storev(scores + r * kTile + h * kWidth, s0[h]);
+      storev(scores + (r + 1) * kTile + h * kWidth, s1[h]);
+      storev(scores + (r + 2) * kTile + h * kWidth, s2[h]);
+      storev(scores + (r + 3) * kTile + h * kWidth, s3[h]);
+    }
   }
   for (; r < rows; ++r) {
-    f32x16 s0{};
-    for (int64_t x = 0; x < d; ++x) s0 += q[r * d + x] * load16(kt + x * kTile);
-    store16(scores + r * kTile, s0);
+    fvec s0[V] = {};
+    for (int64_t x = 0; x < d; ++x)
+#pragma GCC unroll 2
+      for (int64_t h = 0; h < V; ++h) s0[h] += q[r * d + x] * loadv(kt + x * kTile + h * kWidth);
+#pragma GCC unroll 2
+    for (int64_t h = 0; h < V; ++h) storev(scores + r * kTile + h * kWidth, s0[h]);
   }
 }
 
 // acc [R, d] = acc * correction + p [R, kTile] . v [keys, d] for R (1-4) rows at once, C (1-4) registers of
-// sixteen columns: each V row read once for all R rows, the R x C sums held in registers across the tile.
+// columns: each V row read once for all R rows, the R x C sums held in registers across the tile.
 template <int R, int C>
 void accumulate_block(float* acc, int64_t d, const float* correction, const float* p, const float* v, int64_t keys) {
-  f32x16 a[R][C];
+  fvec a[R][C];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) a[r][c] = load16(acc + r * d + 16 * c) * correction[r];
+    for (int c = 0; c < C; ++c) a[r][c] = loadv(acc + r * d + kWidth * c) * correction[r];
   for (int64_t j = 0; j < keys; ++j) {
-    f32x16 vj[C];
+    fvec vj[C];
 #pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) vj[c] = load16(v + j * d + 16 * c);
+    for (int c = 0; c < C; ++c) vj[c] = loadv(v + j * d + kWidth * c);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const float pr = p[r * kTile + j];
@@ -396,7 +412,7 @@ void accumulate_block(float* acc, int64_t d, const float* correction, const floa
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) store16(acc + r * d + 16 * c, a[r][c]);
+    for (int c = 0; c < C; ++c) storev(acc + r * d + kWidth * c, a[r][c]);
 }
 
 // f(std::integral_constant<int, n>{}) for n in 1..4: a run-time count of rows or registers as a template argument.
@@ -412,7 +428,8 @@ void up_to_four(int64_t n, F&& f) {
 }
 
 // acc [rows, d] = acc * correction + p [rows, kTile] . v [keys, d], p 0 past each row's own keys: blocks of up
-// to four rows by up to 64 columns. A head_dim that is not a multiple of sixteen takes plain loops.
+// to four rows by up to four registers of columns (R x C sums and C of V within the target's registers). A
+// head_dim that is not a multiple of sixteen takes plain loops.
 void accumulate(float* acc, int64_t rows, int64_t d, const float* correction, const float* p, const float* v,
                 int64_t keys) {
   if (d % 16 != 0) {
@@ -426,10 +443,13 @@ void accumulate(float* acc, int64_t rows, int64_t d, const float* correction, co
   }
   for (int64_t r = 0; r < rows; r += 4)
     up_to_four(std::min<int64_t>(4, rows - r), [&](auto n) {
-      for (int64_t x = 0; x < d; x += 64)
-        up_to_four(std::min<int64_t>(4, (d - x) / 16), [&](auto c) {
-          accumulate_block<decltype(n)::value, decltype(c)::value>(acc + r * d + x, d, correction + r,
-                                                                  p + r * kTile, v + x, keys);
+      constexpr int rows_here = decltype(n)::value;
+      constexpr int most = std::min(4, (kRegisters - 2) / (rows_here + 1));
+      for (int64_t x = 0; x < d; x += kWidth * most)
+        up_to_four(std::min<int64_t>(most, (d - x) / kWidth), [&](auto c) {
+          if constexpr (decltype(c)::value <= most)
+            accumulate_block<decltype(n)::value, decltype(c)::value>(acc + r * d + x, d, correction + r,
+                                                                    p + r * kTile, v + x, keys);
         });
     });
 }
@@ -438,12 +458,25 @@ void accumulate(float* acc, int64_t rows, int64_t d, const float* correction, co
 // softmax's running max m and sum l, and the correction to apply to what the row gathered before (0 on its
 // first tile with a visible key).
 inline void softmax_update(float* p, i32x16 visible, float& m, float& l, float& correction) {
-  const f32x16 x = visible ? load16(p) : f32x16{} - std::numeric_limits<float>::infinity();
-  const float top = std::max(m, max16(x));
-  const f32x16 e = exp16(x - top), w = visible ? e : f32x16{};
-  store16(p, w);
+  constexpr int64_t V = kTile / kWidth;
+  ivec mask[V];
+  std::memcpy(mask, &visible, sizeof mask);
+  fvec x[V];
+  float top = m;
+#pragma GCC unroll 2
+  for (int64_t h = 0; h < V; ++h) {
+    x[h] = mask[h] ? loadv(p + h * kWidth) : fvec{} - std::numeric_limits<float>::infinity();
+    top = std::max(top, maxv(x[h]));
+  }
+  float total = 0.f;
+#pragma GCC unroll 2
+  for (int64_t h = 0; h < V; ++h) {
+    const fvec w = mask[h] ? expv(x[h] - top) : fvec{};
+    storev(p + h * kWidth, w);
+    total += sumv(w);
+  }
   correction = top == m ? 1.f : std::exp(m - top);
-  l = l * correction + sum16(w);
+  l = l * correction + total;
   m = top;
 }
 
@@ -456,7 +489,7 @@ inline bool any_lane(i32x16 mask) {
 
 // A row that sees no key of the tile: no weight, nothing rescaled.
 inline void skip_tile(float* p, float& correction) {
-  store16(p, f32x16{});
+  std::fill(p, p + kTile, 0.f);
   correction = 1.f;
 }
 
