@@ -269,16 +269,36 @@ inline fvec loadv(const float* p) {
 }
 inline void storev(float* p, fvec v) { std::memcpy(p, &v, sizeof v); }
 
-// The sum and the largest of a register's lanes.
+// A register's lanes swapped in halves, quarters and pairs (its eighths too with sixteen lanes): the steps of
+// a tree over them.
+template <int Step>
+inline fvec swapped(fvec x) {
+#ifdef __AVX512F__
+  if constexpr (Step == 8) return __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  if constexpr (Step == 4) return __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  if constexpr (Step == 2) return __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  return __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+#else
+  if constexpr (Step == 4) return __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3);
+  if constexpr (Step == 2) return __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5);
+  return __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6);
+#endif
+}
+
+// The sum and the largest of a register's lanes, by trees of swaps rather than chains of lanes.
 inline float sumv(fvec x) {
-  float total = 0.f;
-  for (int64_t i = 0; i < kWidth; ++i) total += x[i];
-  return total;
+  if constexpr (kWidth == 16) x += swapped<8>(x);
+  x += swapped<4>(x);
+  x += swapped<2>(x);
+  x += swapped<1>(x);
+  return x[0];
 }
 inline float maxv(fvec x) {
-  float top = x[0];
-  for (int64_t i = 1; i < kWidth; ++i) top = std::max(top, x[i]);
-  return top;
+  if constexpr (kWidth == 16) x = x > swapped<8>(x) ? x : swapped<8>(x);
+  x = x > swapped<4>(x) ? x : swapped<4>(x);
+  x = x > swapped<2>(x) ? x : swapped<2>(x);
+  x = x > swapped<1>(x) ? x : swapped<1>(x);
+  return x[0];
 }
 
 // exp of a register's lanes for x <= 88 in plain arithmetic, so it vectorizes (std::exp does not): Cephes'
@@ -468,15 +488,15 @@ inline void softmax_update(float* p, i32x16 visible, float& m, float& l, float& 
     x[h] = mask[h] ? loadv(p + h * kWidth) : fvec{} - std::numeric_limits<float>::infinity();
     top = std::max(top, maxv(x[h]));
   }
-  float total = 0.f;
+  fvec total{};
 #pragma GCC unroll 2
   for (int64_t h = 0; h < V; ++h) {
     const fvec w = mask[h] ? expv(x[h] - top) : fvec{};
     storev(p + h * kWidth, w);
-    total += sumv(w);
+    total += w;
   }
   correction = top == m ? 1.f : std::exp(m - top);
-  l = l * correction + total;
+  l = l * correction + sumv(total);
   m = top;
 }
 
