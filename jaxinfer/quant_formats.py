@@ -96,7 +96,7 @@ def _compressed_tensors(qc: dict[str, Any]) -> StoredQuantization:
             raise CheckpointError("compressed-tensors groups in activation order (actorder='group') are not "
                                   "supported: jaxinfer reads groups of consecutive input columns")
         size = w.get("group_size")
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        if not _positive_int(size):
             raise CheckpointError(f"compressed-tensors group_size={size!r} must be a positive integer")
         rows, cols = 1, size
     elif strategy == "block":
@@ -110,11 +110,14 @@ def _compressed_tensors(qc: dict[str, Any]) -> StoredQuantization:
     return StoredQuantization("compressed-tensors", qtype, "_scale", rows, cols, activations)
 
 
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
 def _block(value: Any, name: str) -> tuple[int, int] | None:
     if value is None:
         return None
-    if (not isinstance(value, list | tuple) or len(value) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+    if not isinstance(value, list | tuple) or len(value) != 2 or not all(map(_positive_int, value)):
         raise CheckpointError(f"quantization_config {name}={value!r} must be two positive integers [rows, cols]")
     return int(value[0]), int(value[1])
 

@@ -278,9 +278,9 @@ def test_partials_over_strided_pages_merge_to_whole(kernel: str, name: str, stri
 def test_cpu_kernel_matches_reference(name: str):
     """Every case's ragged mix (decodes, chunks, shared prefixes, long next to short, padding) gives the
     reference's output; unused table entries, however wild, are never read. Also float16; head_dims that are
-    not a multiple of 16 (24: the plain weighted sum) or of an AVX2 register's 8 (20, with a decode's head
-    group of 3: the plain scores too); head_dims of three and of five times 16 (64 columns at a time, then
-    the rest); pages of 8, half a tile of keys."""
+    not a multiple of 16 (24: plain loops where a register holds 16 lanes) or of 8 (20, with a decode's head
+    group of 3: the plain scores and weighted sum on any target); head_dims of three and of five times 16;
+    pages of 8, half a tile of keys."""
     extra = {"gqa4_mixed_f16": dict(dtype="float16"), "gqa3_hd20": dict(head_dim=20),
              "gqa4_mixed_hd24": dict(head_dim=24),
              "gqa4_mixed_hd48": dict(head_dim=48), "gqa4_mixed_hd80": dict(head_dim=80),

@@ -449,10 +449,10 @@ void up_to_four(int64_t n, F&& f) {
 
 // acc [rows, d] = acc * correction + p [rows, kTile] . v [keys, d], p 0 past each row's own keys: blocks of up
 // to four rows by up to four registers of columns (R x C sums and C of V within the target's registers). A
-// head_dim that is not a multiple of sixteen takes plain loops.
+// head_dim that is not a multiple of the register's lanes takes plain loops.
 void accumulate(float* acc, int64_t rows, int64_t d, const float* correction, const float* p, const float* v,
                 int64_t keys) {
-  if (d % 16 != 0) {
+  if (d % kWidth != 0) {
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t x = 0; x < d; ++x) {
         float part = acc[r * d + x] * correction[r];
