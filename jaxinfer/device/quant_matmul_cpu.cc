@@ -10,8 +10,8 @@
 //
 // Loop order: for each segment of K (16 rows, within one scale block) the weight is walked 64 columns (one
 // cache line a row) at a time: 16 rows read side by side, sequentially, which the hardware prefetcher
-// follows, each line of the next segment prefetched as this one's are read. The rows of x keep their sums in
-// registers for the whole segment, each converted weight used for up to 6 rows of x, and fold them into
+// follows, each line asked for kAhead tiles before it is read (past a row's end: the next segment's). The
+// rows of x keep their sums in registers for the whole segment, each converted weight used for up to 6 rows of x, and fold them into
 // float32 sums with the block's scale once per segment and column, not per weight. From 16 rows of x on, a
 // segment's weights (128 rows) are converted once into a float panel that all rows share, the classic 6 x 16
 // register tile on FMA. Threads (XLA's intra-op pool) split K for up to 8 rows of x, each streaming its own
@@ -81,12 +81,14 @@ constexpr int64_t kSegmentFew = 16;       // K rows per segment with few rows of
                                           // are few enough for the hardware prefetcher to follow
 constexpr int64_t kSegmentMany = 128;     // ... with many (a tile's float panel, 128 x 64 x 4 bytes)
 constexpr int64_t kPanelRows = 16;        // rows of x from which a segment's weights are converted only once
-constexpr int64_t kThreadWork = 1 << 20;  // multiply-adds below which the caller runs alone
+constexpr int64_t kThreadWork = 1 << 18;  // multiply-adds below which the caller runs alone
 constexpr int64_t kRowChunk = 96;         // rows of x per work item
 constexpr int64_t kAccFloats = 1 << 15;   // accumulator floats per group of columns (128 KiB: L2)
 constexpr int64_t kItems = 4;             // work items per thread, at most (a thread the pool starts late
                                           // finds the others' work taken by the rest, not waiting for it)
 constexpr int64_t kSplitRows = 8;         // rows of x up to which the threads split K (else the columns)
+constexpr int64_t kAhead = 4;             // tiles ahead that a line is prefetched: 4 KiB of 1-byte weights (a
+                                          // segment ahead, a 4096-wide weight's lines left L1 before use)
 
 // Sixteen fp8 e4m3fn bytes as float16 bit patterns of 2^-8 times their values: sign extension puts the sign
 // in bits 15..7 and exponent:mantissa in 6..0; shifted left by 7 those land in float16's exponent:mantissa
@@ -143,7 +145,7 @@ constexpr int64_t kElementBytes = W == Kind::kF32 ? 4 : W == Kind::kBf16 || W ==
 // contiguous) ldx per k).
 template <Kind W, int R, int V>
 void segment_tile(const void* w, int64_t ldw, const float* x, int64_t ldx, int64_t kn, const float* scale,
-                  float* acc, int64_t lda) {
+                  float* acc, int64_t lda, int64_t ahead) {
   __m256 p[R][V];
   #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
@@ -152,10 +154,9 @@ void segment_tile(const void* w, int64_t ldw, const float* x, int64_t ldx, int64
   const char* wb = static_cast<const char*>(w);
   const int64_t step = ldw * kElementBytes<W>;
   for (int64_t k = 0; k < kn; ++k, wb += step) {
-    // The same columns one segment on: each line of the weight asked for once, a segment before it is read
-    // (a prefetch never faults, even past the end).
-    if constexpr (W != Kind::kF32) _mm_prefetch(wb + kSegmentFew * step, _MM_HINT_T0);
-    if constexpr (kElementBytes<W> == 2) _mm_prefetch(wb + kSegmentFew * step + 64, _MM_HINT_T0);
+    // The line read kAhead tiles later (`ahead` bytes on; a prefetch never faults, even past the end).
+    if constexpr (W != Kind::kF32) _mm_prefetch(wb + ahead, _MM_HINT_T0);
+    if constexpr (kElementBytes<W> == 2) _mm_prefetch(wb + ahead + 64, _MM_HINT_T0);
     if constexpr (V <= 4) {  // a few columns for many rows: the weights converted first, then one row at a time
       __m256 w[V];
       #pragma GCC unroll 16
@@ -204,24 +205,24 @@ constexpr int columns_for(int rows) { return rows <= 1 ? 8 : rows <= 2 ? 4 : 2; 
 // (`width` of them real, the rest zero padding).
 template <Kind W, int R = 1>
 void segment_tile_rows(int64_t rows, const void* w, int64_t ldw, const float* x, int64_t ldx, int64_t kn,
-                       const float* scale, float* acc, int64_t lda, int64_t width) {
+                       const float* scale, float* acc, int64_t lda, int64_t width, int64_t ahead) {
   if constexpr (R < kMaxRows) {
-    if (rows != R) return segment_tile_rows<W, R + 1>(rows, w, ldw, x, ldx, kn, scale, acc, lda, width);
+    if (rows != R) return segment_tile_rows<W, R + 1>(rows, w, ldw, x, ldx, kn, scale, acc, lda, width, ahead);
   }
   constexpr int V = columns_for(R);
   for (int64_t c = 0; c < width; c += 8 * V)
     segment_tile<W, R, V>(static_cast<const char*>(w) + c * kElementBytes<W>, ldw, x, ldx, kn, scale + c, acc + c,
-                          lda);
+                          lda, ahead);
 }
 
 // One tile's segment for all `rows` rows of x, in register tiles of up to 6 rows, as equal in size as can be.
 template <Kind W>
 void segment_rows(const void* w, int64_t ldw, const float* x, int64_t ldx, int64_t kn, const float* scale,
-                  float* acc, int64_t lda, int64_t rows, int64_t width) {
+                  float* acc, int64_t lda, int64_t rows, int64_t width, int64_t ahead = 0) {
   const int64_t groups = (rows + kMaxRows - 1) / kMaxRows;
   for (int64_t g = 0, r = 0; g < groups; ++g) {
     const int64_t n = (rows - r) / (groups - g);
-    segment_tile_rows<W>(n, w, ldw, x + r, ldx, kn, scale, acc + r * lda, lda, width);
+    segment_tile_rows<W>(n, w, ldw, x + r, ldx, kn, scale, acc + r * lda, lda, width, ahead);
     r += n;
   }
 }
@@ -426,14 +427,17 @@ void run_item(const Problem& p, const Item& item, T* out, float* sums) {
           continue;
         }
         int64_t ldw = p.n;
+        const int64_t tiles = (width + kTile - 1) / kTile;
+        int64_t ahead = (t + kAhead < tiles ? kAhead * kTile : kn * p.n + (kAhead - tiles) * kTile) * p.bytes;
         if (cols < kTile) {  // the last tile: copied, zero-padded, so that every load stays inside the operand
           bytes.assign(kn * kTile * p.bytes, 0);
           for (int64_t k = 0; k < kn; ++k) std::memcpy(&bytes[k * kTile * p.bytes], w + k * ldw * p.bytes, cols * p.bytes);
           w = bytes.data();
           ldw = kTile;
+          ahead = 0;
         }
         segment_rows_of(p.kind, static_cast<const void*>(w), ldw, xk, p.m, kn, static_cast<const float*>(&scales[t * kTile]),
-                        &acc[t * kTile], lda, rows, cols);
+                        &acc[t * kTile], lda, rows, cols, ahead);
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
