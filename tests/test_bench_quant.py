@@ -20,10 +20,15 @@ def test_rows_report_bytes_capacity_and_accuracy(hf_tiny, capsys):
     cfg = json.loads((hf_tiny / "llama" / "config.json").read_text())
     head_dim = cfg["head_dim"]
     assert quant.main(["--model", str(hf_tiny / "llama"), "--variants", "int8", "kv-fp8", "--prompts", "2",
-                       "--prompt-len", "8", "--max-tokens", "4", "--bandwidth-mib", "16", "--json"]) == 0
+                       "--prompt-len", "8", "--max-tokens", "4", "--bandwidth-mib", "16", "--rounds", "3",
+                       "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     base, int8, kv = r["rows"]
     assert [x["variant"] for x in r["rows"]] == ["float32", "int8", "kv-fp8"]
+    for x in r["rows"]:   # the medians of three turns each, the ratio the median of the three rounds' own
+        assert len(x["decode_rounds"]) == 3 and x["decode_tokens_per_second"] == sorted(x["decode_rounds"])[1]
+        ratios = sorted(a / b for a, b in zip(x["decode_rounds"], base["decode_rounds"], strict=True))
+        assert x["speedup"] == ratios[1] and x["speedup_range"] == [ratios[0], ratios[2]]
     assert all(x["speedup_vs_bfloat16"] is None for x in r["rows"])   # no bfloat16 row to compare with
     table = quant.readable(r).splitlines()
     assert "x bf16" in table[1] and table[3].split()[:6] == [
@@ -50,12 +55,16 @@ def test_rows_report_bytes_capacity_and_accuracy(hf_tiny, capsys):
                        programs=False).estimate
         assert x["predicted_decode_tokens_per_second"] == pytest.approx(1 / est.tpot_s, rel=1e-9)
     assert int8["predicted_decode_tokens_per_second"] != base["predicted_decode_tokens_per_second"]
-    assert table[3].split()[7] == f"{int8['predicted_decode_tokens_per_second']:.1f}"
+    assert table[3].split()[6] == f"{int8['speedup_range'][0]:.2f}-{int8['speedup_range'][1]:.2f}"
+    assert table[3].split()[8] == f"{int8['predicted_decode_tokens_per_second']:.1f}"
 
 
 def test_the_ratio_to_bfloat16_is_each_rows_own():
-    rows = [{"variant": v, "decode_tokens_per_second": t} for v, t in (("float32", 40.0), ("bfloat16", 32.0),
-                                                                       ("int8", 48.0))]
+    # three rounds: the machine slows down in the second and third, alike for every variant
+    rows = [{"variant": v, "decode_rounds": t} for v, t in (("float32", [40.0, 20.0, 10.0]),
+                                                            ("bfloat16", [32.0, 16.0, 10.0]),
+                                                            ("int8", [48.0, 30.0, 16.0]))]
     ratios = quant.ratios(rows)
-    assert [r["speedup"] for r in ratios] == [1.0, 0.8, 1.2]
-    assert [r["speedup_vs_bfloat16"] for r in ratios] == [1.25, 1.0, 1.5]
+    assert [r["speedup"] for r in ratios] == [1.0, 0.8, 1.5]
+    assert [r["speedup_range"] for r in ratios] == [(1.0, 1.0), (0.8, 1.0), (1.2, 1.6)]
+    assert [r["speedup_vs_bfloat16"] for r in ratios] == [1.25, 1.0, 1.6]

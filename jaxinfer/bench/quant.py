@@ -6,7 +6,9 @@ batch-1 decode tok/s, its ratio to float32's and (where bfloat16 is among the va
 its MBU (jaxinfer.bench.decode: the bytes a step actually reads, 1-byte weights counted as such), and the
 accuracy cost against the float32 model on the same prompts, teacher-forced: per-token KL divergence (mean
 and max; MaxText's logit checker gates on a max of 0.02), the largest logit error, and greedy agreement
-(the share of positions whose argmax is the float32 model's). Ratios are within one run of one process.
+(the share of positions whose argmax is the float32 model's). Every variant's model is held at once and their
+decode runs take turns, `--rounds` times: the tok/s is a variant's median, its ratios the medians of the ratios
+within a round (and their range), so a busy spell of a shared machine moves every variant alike.
 Beside each measured decode tok/s, the layout planner's prediction for it (`predicted_decode`: one sequence,
 this device kind's figures, jaxinfer.plan), so the roofline's cost of each weight dtype is held against the
 engine in the same run.
@@ -21,6 +23,7 @@ import functools
 import gc
 import math
 import re
+import statistics
 import time
 
 import numpy as np
@@ -62,34 +65,60 @@ def run(args: argparse.Namespace) -> dict:
     cache_name, config_name = decode.PRESETS[args.preset]
     path = random_model.ensure(cache_name, getattr(random_model, config_name)) if random_weights else args.model
     bandwidth = decode.memory_bandwidth(args.bandwidth_mib)
-    rows, reference = [], None
-    for name in ["float32", *[v for v in args.variants if v != "float32"]]:
-        dtype, quantization, kv = VARIANTS[name]
-        llm = LLM(path, mesh=args.mesh, dtype=dtype, quantization=quantization, kv_cache_dtype=kv,
-                  memory_fraction=args.memory_fraction)
-        try:
+    pages = 2 * args.prompts * -(-(args.prompt_len + args.max_tokens) // 16) + 16   # every variant held at once
+    llms, rows, reference = {}, [], None
+    try:
+        for name in ["float32", *[v for v in args.variants if v != "float32"]]:
+            dtype, quantization, kv = VARIANTS[name]
+            llm = llms[name] = LLM(path, mesh=args.mesh, dtype=dtype, quantization=quantization,
+                                   kv_cache_dtype=kv, page_size=16, num_pages=pages)
             _, prompts = bench_prompts(llm.config.vocab_size, args.prompts, args.prompt_len, args.seed)
             logits = llm.logits(prompts)
             reference = reference or logits
-            speed = decode.bench_batch(llm, 1, args.prompt_len, args.max_tokens, args.seed, bandwidth, repeats=2)
-            predicted = predicted_decode(llm, args.prompt_len, args.max_tokens)
+            speed = decode.bench_batch(llm, 1, args.prompt_len, args.max_tokens, args.seed, bandwidth, repeats=1)
             rows.append({"variant": name, "dtype": dtype, "quantization": quantization, "kv_cache_dtype": kv,
                          "weight_bytes_per_device": llm.parameter_bytes_per_device(),
                          "kv_bytes_per_token": llm.engine.kv_bytes_per_token,
                          "kv_tokens_per_gib": 2**30 // llm.engine.kv_bytes_per_token,
-                         "decode_tokens_per_second": speed["decode_tokens_per_second"], "mbu": speed["mbu"],
-                         "predicted_decode_tokens_per_second": predicted,
+                         "bytes_per_token": speed["mbu"] * bandwidth / speed["decode_tokens_per_second"],
+                         "predicted_decode_tokens_per_second": predicted_decode(llm, args.prompt_len,
+                                                                                args.max_tokens),
                          "weight_bytes_per_step": speed["weight_bytes_per_step"],
                          **accuracy(logits, reference)})
-        finally:
+        rounds = decode_rounds(llms, args.prompt_len, args.max_tokens, args.seed, args.rounds)
+    finally:
+        for llm in llms.values():
             llm.close()
-            del llm
-            gc.collect()
+        llms.clear()
+        gc.collect()
+    for r in rows:
+        r["decode_rounds"] = rounds[r["variant"]]
+        r["decode_tokens_per_second"] = statistics.median(r["decode_rounds"])
+        r["mbu"] = r.pop("bytes_per_token") * r["decode_tokens_per_second"] / bandwidth
     for r in ratios(rows):
         r["kv_tokens_ratio"] = r["kv_tokens_per_gib"] / rows[0]["kv_tokens_per_gib"]
     return {"model": str(path), "random_weights": random_weights, "mesh": args.mesh or "one device",
             "memory_bandwidth_gbps": bandwidth, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-            "rows": rows}
+            "rounds": args.rounds, "rows": rows}
+
+
+def decode_rounds(llms: dict, prompt_len: int, max_tokens: int, seed: int, rounds: int) -> dict[str, list[float]]:
+    """Each model's batch-1 decode tok/s, `rounds` times, the models taking turns within each round: a busy
+    spell of a shared machine falls on all of them alike, and each round's ratios are taken within it."""
+    from jaxinfer.bench.peers import bench_prompts
+    from jaxinfer.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    speeds = {name: [] for name in llms}
+    for _ in range(rounds):
+        for name, llm in llms.items():
+            _, prompts = bench_prompts(llm.config.vocab_size, 1, prompt_len, seed)
+            llm.engine.reset_prefix_cache()   # each run prefills its prompt afresh
+            before = llm.engine.stats.copy()
+            llm.generate(prompts, params)
+            s = llm.engine.stats - before
+            speeds[name].append(s.decode_tokens / s.decode_seconds)
+    return speeds
 
 
 def predicted_decode(llm, prompt_len: int, max_tokens: int) -> float:
@@ -117,12 +146,15 @@ def predicted_decode(llm, prompt_len: int, max_tokens: int) -> float:
 
 def ratios(rows: list[dict]) -> list[dict]:
     """The rows (float32's first) with each one's decode tok/s over float32's (`speedup`) and over bfloat16's
-    (`speedup_vs_bfloat16`, None without a bfloat16 row): quantized weights are held to both."""
+    (`speedup_vs_bfloat16`, None without a bfloat16 row): the median over rounds of the ratio within a round
+    (`decode_rounds`), and its least and greatest (`speedup_range`). Quantized weights are held to both."""
+    def within_rounds(r: dict, base: dict) -> list[float]:
+        return [a / b for a, b in zip(r["decode_rounds"], base["decode_rounds"], strict=True)]
     bf16 = next((r for r in rows if r["variant"] == "bfloat16"), None)
     for r in rows:
-        r["speedup"] = r["decode_tokens_per_second"] / rows[0]["decode_tokens_per_second"]
-        r["speedup_vs_bfloat16"] = (None if bf16 is None else
-                                    r["decode_tokens_per_second"] / bf16["decode_tokens_per_second"])
+        speedups = within_rounds(r, rows[0])
+        r["speedup"], r["speedup_range"] = statistics.median(speedups), (min(speedups), max(speedups))
+        r["speedup_vs_bfloat16"] = None if bf16 is None else statistics.median(within_rounds(r, bf16))
     return rows
 
 
@@ -198,13 +230,17 @@ def weight_matmuls(k: int, n: int, rows: int, dtype: str, reps: int = 50) -> lis
 
 def readable(r: dict) -> str:
     lines = [f"model {r['model']}{' (random weights)' if r['random_weights'] else ''} on {r['mesh']}; batch-1 "
-             f"decode of {r['max_tokens']} tokens after {r['prompt_len']}; accuracy against float32, teacher-forced",
+             f"decode of {r['max_tokens']} tokens after {r['prompt_len']}, medians of {r['rounds']} rounds (x f32's "
+             f"range over them); accuracy against float32, teacher-forced",
              f"{'variant':<9} {'MiB/device':>10} {'KV tok/GiB':>10} {'decode tok/s':>12} {'x f32':>6} {'x bf16':>6} "
-             f"{'MBU':>6} {'predicted':>9} {'KL mean':>9} {'KL max':>9} {'max |dlogit|':>12} {'greedy':>7}"]
+             f"{'range':>9} {'MBU':>6} {'predicted':>9} {'KL mean':>9} {'KL max':>9} {'max |dlogit|':>12} "
+             f"{'greedy':>7}"]
     for x in r["rows"]:
         vs_bf16 = "-" if x["speedup_vs_bfloat16"] is None else f"{x['speedup_vs_bfloat16']:.2f}"
+        low, high = x["speedup_range"]
         lines.append(f"{x['variant']:<9} {x['weight_bytes_per_device'] / 2**20:>10.1f} {x['kv_tokens_per_gib']:>10} "
-                     f"{x['decode_tokens_per_second']:>12.1f} {x['speedup']:>6.2f} {vs_bf16:>6} {x['mbu']:>6.1%} "
+                     f"{x['decode_tokens_per_second']:>12.1f} {x['speedup']:>6.2f} {vs_bf16:>6} "
+                     f"{f'{low:.2f}-{high:.2f}':>9} {x['mbu']:>6.1%} "
                      f"{x['predicted_decode_tokens_per_second']:>9.1f} "
                      f"{x['kl_mean']:>9.2e} {x['kl_max']:>9.2e} {x['max_logit_error']:>12.4f} "
                      f"{x['greedy_agreement']:>7.1%}")
@@ -222,7 +258,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=4, help="prompts scored for the accuracy figures")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--memory-fraction", type=float, default=0.9)
+    p.add_argument("--rounds", type=int, default=5,
+                   help="decode runs per variant, the variants taking turns (medians reported)")
     p.add_argument("--bandwidth-mib", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
