@@ -59,6 +59,12 @@ def test_rows_report_bytes_capacity_and_accuracy(hf_tiny, capsys):
     assert table[3].split()[8] == f"{int8['predicted_decode_tokens_per_second']:.1f}"
 
 
+def test_rounds_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        quant.parse_args(["--rounds", "0"])
+    assert "--rounds must be at least 1" in capsys.readouterr().err
+
+
 def test_the_ratio_to_bfloat16_is_each_rows_own():
     # three rounds: the machine slows down in the second and third, alike for every variant
     rows = [{"variant": v, "decode_rounds": t} for v, t in (("float32", [40.0, 20.0, 10.0]),

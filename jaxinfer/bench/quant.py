@@ -59,19 +59,21 @@ def run(args: argparse.Namespace) -> dict:
     from jaxinfer import random_model
     from jaxinfer.bench import decode
     from jaxinfer.bench.peers import bench_prompts
+    from jaxinfer.config import EngineConfig
     from jaxinfer.llm import LLM
 
     random_weights = args.model is None
     cache_name, config_name = decode.PRESETS[args.preset]
     path = random_model.ensure(cache_name, getattr(random_model, config_name)) if random_weights else args.model
     bandwidth = decode.memory_bandwidth(args.bandwidth_mib)
-    pages = 2 * args.prompts * -(-(args.prompt_len + args.max_tokens) // 16) + 16   # every variant held at once
+    page = EngineConfig().page_size   # pools for the prompts alone: every variant's model is held at once
+    pages = 2 * args.prompts * -(-(args.prompt_len + args.max_tokens) // page) + 16
     llms, rows, reference = {}, [], None
     try:
         for name in ["float32", *[v for v in args.variants if v != "float32"]]:
             dtype, quantization, kv = VARIANTS[name]
             llm = llms[name] = LLM(path, mesh=args.mesh, dtype=dtype, quantization=quantization,
-                                   kv_cache_dtype=kv, page_size=16, num_pages=pages)
+                                   kv_cache_dtype=kv, num_pages=pages)
             _, prompts = bench_prompts(llm.config.vocab_size, args.prompts, args.prompt_len, args.seed)
             logits = llm.logits(prompts)
             reference = reference or logits
@@ -263,7 +265,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bandwidth-mib", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
