@@ -77,15 +77,15 @@ def run(args: argparse.Namespace) -> dict:
             _, prompts = bench_prompts(llm.config.vocab_size, args.prompts, args.prompt_len, args.seed)
             logits = llm.logits(prompts)
             reference = reference or logits
-            speed = decode.bench_batch(llm, 1, args.prompt_len, args.max_tokens, args.seed, bandwidth, repeats=1)
+            context = args.prompt_len + args.max_tokens / 2   # the decode steps' average: the first token is prefill's
             rows.append({"variant": name, "dtype": dtype, "quantization": quantization, "kv_cache_dtype": kv,
                          "weight_bytes_per_device": llm.parameter_bytes_per_device(),
                          "kv_bytes_per_token": llm.engine.kv_bytes_per_token,
                          "kv_tokens_per_gib": 2**30 // llm.engine.kv_bytes_per_token,
-                         "bytes_per_token": speed["mbu"] * bandwidth / speed["decode_tokens_per_second"],
                          "predicted_decode_tokens_per_second": predicted_decode(llm, args.prompt_len,
                                                                                 args.max_tokens),
-                         "weight_bytes_per_step": speed["weight_bytes_per_step"],
+                         "weight_bytes_per_step": decode.weight_bytes_read(llm, 1),
+                         "kv_bytes_per_step": decode.kv_bytes_read(llm, 1, context),
                          **accuracy(logits, reference)})
         rounds = decode_rounds(llms, args.prompt_len, args.max_tokens, args.seed, args.rounds)
     finally:
@@ -96,7 +96,8 @@ def run(args: argparse.Namespace) -> dict:
     for r in rows:
         r["decode_rounds"] = rounds[r["variant"]]
         r["decode_tokens_per_second"] = statistics.median(r["decode_rounds"])
-        r["mbu"] = r.pop("bytes_per_token") * r["decode_tokens_per_second"] / bandwidth
+        step_bytes = r["weight_bytes_per_step"] + r["kv_bytes_per_step"]   # a batch-1 step decodes one token
+        r["mbu"] = step_bytes * r["decode_tokens_per_second"] / decode.GB / bandwidth
     for r in ratios(rows):
         r["kv_tokens_ratio"] = r["kv_tokens_per_gib"] / rows[0]["kv_tokens_per_gib"]
     return {"model": str(path), "random_weights": random_weights, "mesh": args.mesh or "one device",
@@ -105,21 +106,23 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def decode_rounds(llms: dict, prompt_len: int, max_tokens: int, seed: int, rounds: int) -> dict[str, list[float]]:
-    """Each model's batch-1 decode tok/s, `rounds` times, the models taking turns within each round: a busy
-    spell of a shared machine falls on all of them alike, and each round's ratios are taken within it."""
+    """Each model's batch-1 decode tok/s, `rounds` times after a warm-up round (which compiles the decode steps),
+    the models taking turns within each round: a busy spell of a shared machine falls on all of them alike, and
+    each round's ratios are taken within it."""
     from jaxinfer.bench.peers import bench_prompts
     from jaxinfer.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     speeds = {name: [] for name in llms}
-    for _ in range(rounds):
+    for warm in [True] + [False] * rounds:
         for name, llm in llms.items():
             _, prompts = bench_prompts(llm.config.vocab_size, 1, prompt_len, seed)
             llm.engine.reset_prefix_cache()   # each run prefills its prompt afresh
             before = llm.engine.stats.copy()
             llm.generate(prompts, params)
             s = llm.engine.stats - before
-            speeds[name].append(s.decode_tokens / s.decode_seconds)
+            if not warm:
+                speeds[name].append(s.decode_tokens / s.decode_seconds)
     return speeds
 
 

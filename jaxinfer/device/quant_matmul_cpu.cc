@@ -11,11 +11,11 @@
 // Loop order: for each segment of K (16 rows, within one scale block) the weight is walked 64 columns (one
 // cache line a row) at a time: 16 rows read side by side, sequentially, which the hardware prefetcher
 // follows, each line asked for kAhead tiles before it is read (past a row's end: the next segment's). The
-// rows of x keep their sums in registers for the whole segment, each converted weight used for up to 6 rows of x, and fold them into
-// float32 sums with the block's scale once per segment and column, not per weight. From 16 rows of x on, a
-// segment's weights (128 rows) are converted once into a float panel that all rows share, the classic 6 x 16
-// register tile on FMA. Threads (XLA's intra-op pool) split K for up to 8 rows of x, each streaming its own
-// contiguous part of the weight, and the columns for more.
+// rows of x keep their sums in registers for the whole segment, each converted weight used for up to 6 rows
+// of x, and fold them into float32 sums with the block's scale once per segment and column, not per weight.
+// From 16 rows of x on, a segment's weights (128 rows) are converted once into a float panel that all rows
+// share, the classic 6 x 16 register tile on FMA. Threads (XLA's intra-op pool) split K for up to 8 rows of
+// x, each streaming its own contiguous part of the weight, and the columns for more.
 //
 // Operands: x [M, K] (f32, bf16 or f16), values [K, N] (int8, f8e4m3fn, or bf16 or f16: XLA:CPU's 16-bit dots
 // have no vector path, ~1 GB/s where this loop reads several), scale [ceil(K / block), N] f32.
@@ -416,7 +416,7 @@ void run_item(const Problem& p, const Item& item, T* out, float* sums) {
                                    lda, rows, std::min(kTile, width - t * kTile));
         continue;
       }
-      for (int64_t t = 0; t * kTile < width; ++t) {  // each tile's weights converted as the register tiles use them
+      for (int64_t t = 0, tiles = lda / kTile; t < tiles; ++t) {  // each tile's weights converted as used
         const uint8_t* w = src + t * kTile * p.bytes;
         const int64_t cols = std::min(kTile, width - t * kTile);
         if (p.fp8() && nan[t]) {
@@ -427,7 +427,6 @@ void run_item(const Problem& p, const Item& item, T* out, float* sums) {
           continue;
         }
         int64_t ldw = p.n;
-        const int64_t tiles = (width + kTile - 1) / kTile;
         int64_t ahead = (t + kAhead < tiles ? kAhead * kTile : kn * p.n + (kAhead - tiles) * kTile) * p.bytes;
         if (cols < kTile) {  // the last tile: copied, zero-padded, so that every load stays inside the operand
           bytes.assign(kn * kTile * p.bytes, 0);
