@@ -2,7 +2,7 @@
 numpy product, and the C++ kernel against the reference.
 
 Tolerance: kernel and reference both sum in float32, in different orders (the kernel scales partial sums of
-up to 16 rows of K, and adds the sums of the parts of K its threads take; the reference scales each weight),
+up to 128 rows of K, and adds the sums of the parts of K its threads take; the reference scales each weight),
 so each is within (K + 2) * 2^-24 * sum_k |x[m, k] * w[k, n]| of the exact product (the classic bound for a
 float32 sum of K products, each of its terms rounded at most K + 2 times), and they are within twice that of
 each other. A result in bfloat16 or float16 adds one ulp of that dtype (at most eps * |value|): two float32
@@ -82,11 +82,11 @@ CASES = {                      # (M, K, N, block): odd sizes on purpose
     "per_channel": (1, 200, 37, 200),
     "block128_k200": (5, 200, 37, 128),
     "block48_k100": (70, 100, 37, 48),
-    # M * K * N past the kernel's 2^20 multiply-adds, on two threads or more where the machine has the cores:
-    "threads_split_k": (3, 640, 1025, 128),   # up to 8 rows: K in parts (here through a block), sums added
-    "threads_columns": (9, 200, 1025, 64),    # more rows: the columns in parts
-    "threads_panel": (20, 100, 1025, 48),     # the columns in parts, the weights converted once (16 rows on)
-    "threads_rows": (100, 160, 301, 64),      # chunks of 96 rows
+    # M * K * N past the kernel's 2^23 multiply-adds, on two threads or more where the machine has the cores:
+    "threads_split_k": (3, 2800, 1025, 128),  # up to 8 rows: K in parts (here through a block), sums added
+    "threads_columns": (9, 920, 1025, 64),    # more rows: the columns in parts
+    "threads_panel": (20, 416, 1025, 48),     # the columns in parts, the weights converted once (16 rows on)
+    "threads_rows": (100, 288, 301, 64),      # chunks of 96 rows
 }
 
 
@@ -168,8 +168,9 @@ def test_bad_operands_raise_value_errors_naming_the_shapes(f):
 GROUPED = {   # (sizes of the groups, rows of x, K, N, block): empty groups, rows past the groups
     "per_channel": ([3, 0, 4, 1, 0], 10, 200, 37, 200),
     "blocks_partial": ([0, 2, 5, 0, 6], 13, 100, 70, 48),
-    "decode": ([1, 0, 0, 1, 0, 0, 0, 0], 2, 640, 1025, 128),   # a row per chosen expert, threads splitting K
-    "many_rows": ([40, 0, 17], 57, 160, 301, 64),               # the panel path, columns split over threads
+    # from "decode" on, past the kernel's 2^23 multiply-adds in all: the work on two threads or more
+    "decode": ([1, 0, 0, 1], 2, 2816, 1500, 128),               # a row per chosen expert, threads splitting K
+    "many_rows": ([40, 0, 17], 57, 480, 307, 64),               # the panel path, columns split over threads
     "mixed": ([6, 30, 2], 40, 320, 700, 64),                    # K in parts for one, columns for another
     "cut": ([3, 5, 2], 6, 100, 37, 100),                        # groups past the rows: cut at the last row
 }

@@ -84,7 +84,9 @@ constexpr int64_t kSegmentFew = 8;        // K rows per segment with few rows of
                                           // read a 4096-wide weight at half the speed on Zen 5)
 constexpr int64_t kSegmentMany = 128;     // ... with many (a tile's float panel, 128 x 64 x 4 bytes)
 constexpr int64_t kPanelRows = 16;        // rows of x from which a segment's weights are converted only once
-constexpr int64_t kThreadWork = 1 << 18;  // multiply-adds below which the caller runs alone
+constexpr int64_t kThreadWork = 1 << 23;  // multiply-adds below which the caller runs alone: XLA's pool thread
+                                          // may start 100-300 us late, and one core multiplies 2^23 int8
+                                          // weights in about 300 us (Zen 5)
 constexpr int64_t kRowChunk = 96;         // rows of x per work item
 constexpr int64_t kAccFloats = 1 << 15;   // accumulator floats per group of columns (128 KiB: L2)
 constexpr int64_t kItems = 4;             // work items per thread, at most (a thread the pool starts late
