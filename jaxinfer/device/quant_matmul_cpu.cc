@@ -87,6 +87,7 @@ constexpr int64_t kPanelRows = 16;        // rows of x from which a segment's we
 constexpr int64_t kThreadWork = 1 << 23;  // multiply-adds below which the caller runs alone: XLA's pool thread
                                           // may start 100-300 us late, and one core multiplies 2^23 int8
                                           // weights in about 300 us (Zen 5)
+constexpr int64_t kThreadWorkFp8 = 1 << 18;  // ... for fp8, whose conversion bounds one core at half that speed
 constexpr int64_t kRowChunk = 96;         // rows of x per work item
 constexpr int64_t kAccFloats = 1 << 15;   // accumulator floats per group of columns (128 KiB: L2)
 constexpr int64_t kItems = 4;             // work items per thread, at most (a thread the pool starts late
@@ -313,6 +314,9 @@ float fp8_scalar(uint8_t b) {
 }
 
 using jaxinfer::parallel_for;   // parallel_for.h
+
+// The multiply-adds from which a call is split over threads.
+int64_t thread_work(Kind kind) { return kind == Kind::kFp8 ? kThreadWorkFp8 : kThreadWork; }
 
 struct Problem {
   int64_t m, k, n, block;
@@ -545,7 +549,7 @@ void add_parts(const float* sums, int64_t parts, int64_t size, T* out) {
 template <typename T>
 void quantized_matmul(const Problem& p, T* out, ffi::ThreadPool& pool) {
   static const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());  // reads sysfs
-  const int64_t workers = p.m * p.k * p.n < kThreadWork ? 1 : std::min(pool.num_threads() + 1, cores);
+  const int64_t workers = p.m * p.k * p.n < thread_work(p.kind) ? 1 : std::min(pool.num_threads() + 1, cores);
   if (workers > 1 && p.m <= kSplitRows && p.k >= 2 * kSegmentFew * workers) {
     const int64_t parts = std::min(workers * kItems, p.k / kSegmentFew), size = p.m * p.n;
     std::vector<float> once;
@@ -636,7 +640,7 @@ void run_grouped(Problem p, const int32_t* sizes, int64_t experts, ffi::AnyBuffe
   }
   static const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
   const int64_t total = start * p.k * p.n;
-  const int64_t workers = total < kThreadWork ? 1 : std::min(pool.num_threads() + 1, cores);
+  const int64_t workers = total < thread_work(p.kind) ? 1 : std::min(pool.num_threads() + 1, cores);
   std::vector<Task> tasks;
   std::vector<Split> splits;
   for (int64_t g = 0; g < experts; ++g) {
