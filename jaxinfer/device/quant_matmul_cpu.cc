@@ -6,9 +6,9 @@
 // the int8 weight's bytes, then read again). Here the 1-byte weights are read once per call, in their own
 // [K, N] row-major layout, and turned into floats in registers: int8 by one byte shuffle into the top byte of
 // each 32-bit lane and an int -> float conversion; fp8 e4m3fn by rewriting its bits as float16, which F16C
-// converts, subnormals included. Built for a CPU with AVX-512 (-march=native), the same conversions run in
-// sixteen lanes, a tile's weights (64 columns) in four vectors: in cache, one Zen 5 core converts 27 G int8
-// weights a second so, against 18 in eight lanes.
+// converts, subnormals included. Built for a CPU with AVX-512 F and BW (-march=native), the same conversions
+// run in sixteen lanes, a tile's weights (64 columns) in four vectors: in cache, one Zen 5 core converts 27 G
+// int8 weights a second so, against 18 in eight lanes.
 //
 // Loop order: for each segment of K (8 rows, within one scale block) the weight is walked 64 columns (one
 // cache line a row) at a time: 8 rows read side by side, sequentially, which the hardware prefetcher
@@ -200,7 +200,8 @@ void segment_tile(const void* w, int64_t ldw, const float* x, int64_t ldx, int64
   }
 }
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512BW__)   // (the byte shuffle is BW's)
+#define JAXINFER_LANES16 1
 // The byte shuffle's control for sixteen int8s (a 16-byte row broadcast to the four 128-bit lanes): byte
 // 4j + i of the row into the top byte of lane j's i-th 32-bit element, zeros below (int8_top's 2^24 units).
 inline __m512i int8_top16() {
@@ -282,7 +283,7 @@ void segment_tile_rows(int64_t rows, const void* w, int64_t ldw, const float* x,
   if constexpr (R < kMaxRows) {
     if (rows != R) return segment_tile_rows<W, R + 1>(rows, w, ldw, x, ldx, kn, scale, acc, lda, width, ahead);
   }
-#ifdef __AVX512F__
+#ifdef JAXINFER_LANES16
   (void)width;   // the whole tile in one pass (past `width`: zero weights, scales and sums)
   segment_tile16<W, R>(w, ldw, x, ldx, kn, scale, acc, lda, ahead);
 #else
