@@ -16,8 +16,9 @@
 // rows of x keep their sums in registers for the whole segment, each converted weight used for up to 6 rows
 // of x, and fold them into float32 sums with the block's scale once per segment and column, not per weight.
 // From 16 rows of x on, a segment's weights (128 rows) are converted once into a float panel that all rows
-// share, the classic 6 x 16 register tile on FMA. Threads (XLA's intra-op pool) split K for up to 8 rows of
-// x, each streaming its own contiguous part of the weight, and the columns for more.
+// share, the classic 6 x 16 register tile on FMA. Calls of kThreadWork multiply-adds or more go to threads
+// (XLA's intra-op pool), which split K for up to 8 rows of x, each streaming its own contiguous part of the
+// weight, and the columns for more.
 //
 // Operands: x [M, K] (f32, bf16 or f16), values [K, N] (int8, f8e4m3fn, or bf16 or f16: XLA:CPU's 16-bit dots
 // have no vector path, ~1 GB/s where this loop reads several), scale [ceil(K / block), N] f32.
@@ -146,6 +147,14 @@ inline void load_pair(const void* p, int v, __m256& lo, __m256& hi) {
 template <Kind W>
 constexpr int64_t kElementBytes = W == Kind::kF32 ? 4 : W == Kind::kBf16 || W == Kind::kF16 ? 2 : 1;
 
+// The lines of a tile's row read kAheadBytes later (`ahead` bytes on; a prefetch never faults, even past the
+// end): one for 1-byte weights, two for 16-bit ones; float panels are in cache already.
+template <Kind W>
+inline void prefetch_ahead(const char* row, int64_t ahead) {
+  if constexpr (W != Kind::kF32) _mm_prefetch(row + ahead, _MM_HINT_T0);
+  if constexpr (kElementBytes<W> == 2) _mm_prefetch(row + ahead + 64, _MM_HINT_T0);
+}
+
 // acc[r, 0 : 8V] += scale[0 : 8V] * sum over k < kn of x[r, k] * w[k, 0 : 8V], for R rows: the R x V partial
 // sums stay in registers for the whole segment (w advances ldw elements per k, x (x transposed: rows
 // contiguous) ldx per k).
@@ -160,9 +169,7 @@ void segment_tile(const void* w, int64_t ldw, const float* x, int64_t ldx, int64
   const char* wb = static_cast<const char*>(w);
   const int64_t step = ldw * kElementBytes<W>;
   for (int64_t k = 0; k < kn; ++k, wb += step) {
-    // The line read kAheadBytes later (`ahead` bytes on; a prefetch never faults, even past the end).
-    if constexpr (W != Kind::kF32) _mm_prefetch(wb + ahead, _MM_HINT_T0);
-    if constexpr (kElementBytes<W> == 2) _mm_prefetch(wb + ahead + 64, _MM_HINT_T0);
+    prefetch_ahead<W>(wb, ahead);
     if constexpr (V <= 4) {  // a few columns for many rows: the weights converted first, then one row at a time
       __m256 w[V];
       #pragma GCC unroll 16
@@ -244,8 +251,7 @@ void segment_tile16(const void* w, int64_t ldw, const float* x, int64_t ldx, int
   const char* wb = static_cast<const char*>(w);
   const int64_t step = ldw * kElementBytes<W>;
   for (int64_t k = 0; k < kn; ++k, wb += step) {
-    if constexpr (W != Kind::kF32) _mm_prefetch(wb + ahead, _MM_HINT_T0);
-    if constexpr (kElementBytes<W> == 2) _mm_prefetch(wb + ahead + 64, _MM_HINT_T0);
+    prefetch_ahead<W>(wb, ahead);
     __m512 wv[V];
     #pragma GCC unroll 16
     for (int v = 0; v < V; ++v) wv[v] = load16<W>(wb, v);
@@ -268,7 +274,8 @@ void segment_tile16(const void* w, int64_t ldw, const float* x, int64_t ldx, int
 }
 #endif
 
-// Rows of x per register tile, at most: 6 rows x 2 vectors of sums, 2 of weights, 1 of x.
+// Rows of x per register tile, at most: 6 rows x 2 vectors of sums, 2 of weights, 1 of x (in sixteen lanes: 6 x 4
+// sums, 4 weights, 1 of x).
 constexpr int kMaxRows = 6;
 
 // Vectors of 8 columns per register tile of R rows: 8 or more independent sums where R allows (an FMA's
