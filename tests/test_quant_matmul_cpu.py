@@ -86,7 +86,8 @@ CASES = {                      # (M, K, N, block): odd sizes on purpose
     "threads_split_k": (3, 2800, 1025, 128),  # up to 8 rows: K in parts (here through a block), sums added
     "threads_columns": (9, 920, 1025, 64),    # more rows: the columns in parts
     "threads_panel": (20, 416, 1025, 48),     # the columns in parts, the weights converted once (16 rows on)
-    "threads_rows": (100, 288, 301, 64),      # chunks of 96 rows
+    "threads_rows": (100, 288, 301, 64),      # chunks of 96 rows at most, of equal size
+    "threads_chunks": (200, 160, 301, 64),    # 3 chunks of 67 rows on 2 threads: the columns in 2 parts as well
 }
 
 

@@ -15,10 +15,12 @@
 // follows, each line asked for kAheadBytes before it is read (past a row's end: the next segment's). The
 // rows of x keep their sums in registers for the whole segment, each converted weight used for up to 6 rows
 // of x, and fold them into float32 sums with the block's scale once per segment and column, not per weight.
-// From 16 rows of x on, a segment's weights (128 rows) are converted once into a float panel that all rows
-// share, the classic 6 x 16 register tile on FMA. Calls of kThreadWork multiply-adds or more go to threads
-// (XLA's intra-op pool), which split K for up to 8 rows of x, each streaming its own contiguous part of the
-// weight, and the columns for more.
+// From 16 rows of x on, a segment's weights (128 rows) are converted once, a tile at a time, into a float
+// panel that all rows share (32 KiB: it stays in L1), the classic 6 x 16 register tile on FMA. Calls of
+// kThreadWork multiply-adds or more go to threads (XLA's intra-op pool), which split K for up to 8 rows of x,
+// each streaming its own contiguous part of the weight; more rows go in equal chunks of up to 96 rows, times
+// parts of the columns, a multiple of the threads' count in all. x is read as it lies (row-major; bfloat16 and
+// float16 converted first): transposing a prefill's x took as long as its matmul.
 //
 // Operands: x [M, K] (f32, bf16 or f16), values [K, N] (int8, f8e4m3fn, or bf16 or f16: XLA:CPU's 16-bit dots
 // have no vector path, ~1 GB/s where this loop reads several), scale [ceil(K / block), N] f32.
@@ -96,6 +98,8 @@ constexpr int64_t kItems = 4;             // work items per thread, at most (a t
 constexpr int64_t kSplitRows = 8;         // rows of x up to which the threads split K (else the columns)
 constexpr int64_t kAheadBytes = 2048;     // how far along its row a line is prefetched before it is read (a
                                           // quarter or an eighth of that reads a 4096-wide weight slower)
+constexpr int64_t kPanelAheadTiles = 2;   // ... when a panel's 128 rows are read a tile at a time (prefetched
+                                          // further, they leave L1 before they are read)
 
 // Sixteen fp8 e4m3fn bytes as float16 bit patterns of 2^-8 times their values: sign extension puts the sign
 // in bits 15..7 and exponent:mantissa in 6..0; shifted left by 7 those land in float16's exponent:mantissa
@@ -156,8 +160,7 @@ inline void prefetch_ahead(const char* row, int64_t ahead) {
 }
 
 // acc[r, 0 : 8V] += scale[0 : 8V] * sum over k < kn of x[r, k] * w[k, 0 : 8V], for R rows: the R x V partial
-// sums stay in registers for the whole segment (w advances ldw elements per k, x (x transposed: rows
-// contiguous) ldx per k).
+// sums stay in registers for the whole segment (w advances ldw elements per k; x's rows are ldx apart).
 template <Kind W, int R, int V>
 void segment_tile(const void* w, int64_t ldw, const float* x, int64_t ldx, int64_t kn, const float* scale,
                   float* acc, int64_t lda, int64_t ahead) {
@@ -176,14 +179,14 @@ void segment_tile(const void* w, int64_t ldw, const float* x, int64_t ldx, int64
       for (int v = 0; v < V; v += 2) load_pair<W>(wb, v, w[v], w[v + 1]);
       #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        const __m256 b = _mm256_broadcast_ss(x + k * ldx + r);
+        const __m256 b = _mm256_broadcast_ss(x + r * ldx + k);
         #pragma GCC unroll 16
         for (int v = 0; v < V; ++v) p[r][v] = _mm256_fmadd_ps(b, w[v], p[r][v]);
       }
     } else {                 // many columns for a row or two: each pair of weight vectors used as converted
       __m256 b[R];
       #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) b[r] = _mm256_broadcast_ss(x + k * ldx + r);
+      for (int r = 0; r < R; ++r) b[r] = _mm256_broadcast_ss(x + r * ldx + k);
       #pragma GCC unroll 16
       for (int v = 0; v < V; v += 2) {
         __m256 lo, hi;
@@ -257,7 +260,7 @@ void segment_tile16(const void* w, int64_t ldw, const float* x, int64_t ldx, int
     for (int v = 0; v < V; ++v) wv[v] = load16<W>(wb, v);
     #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const __m512 b = _mm512_set1_ps(x[k * ldx + r]);
+      const __m512 b = _mm512_set1_ps(x[r * ldx + k]);
       #pragma GCC unroll 16
       for (int v = 0; v < V; ++v) p[r][v] = _mm512_fmadd_ps(b, wv[v], p[r][v]);
     }
@@ -308,7 +311,7 @@ void segment_rows(const void* w, int64_t ldw, const float* x, int64_t ldx, int64
   const int64_t groups = (rows + kMaxRows - 1) / kMaxRows;
   for (int64_t g = 0, r = 0; g < groups; ++g) {
     const int64_t n = (rows - r) / (groups - g);
-    segment_tile_rows<W>(n, w, ldw, x + r, ldx, kn, scale, acc + r * lda, lda, width, ahead);
+    segment_tile_rows<W>(n, w, ldw, x + r * ldx, ldx, kn, scale, acc + r * lda, lda, width, ahead);
     r += n;
   }
 }
@@ -329,7 +332,7 @@ int64_t thread_work(Kind kind) { return kind == Kind::kFp8 ? kThreadWorkFp8 : kT
 struct Problem {
   int64_t m, k, n, block;
   Kind kind;              // the values' type: kInt8, kFp8, kBf16 or kF16
-  const float* x;         // [k, m]: x transposed, a k's rows side by side for the register tiles' broadcasts
+  const float* x;         // [m, k]: x in float32
   const uint8_t* values;  // [k, n] elements of `bytes` bytes
   const float* scale;     // [ceil(k / block), n]
   int64_t bytes;          // bytes per element of values
@@ -402,39 +405,52 @@ void find_nans(const uint8_t* w, int64_t ld, int64_t kn, int64_t width, std::vec
     for (int64_t j = 0; j < width; ++j) nan[j / kTile] |= (w[k * ld + j] & 0x7f) == 0x7f;
 }
 
-// 16 weights of `kind` at p (a tile's v-th and v + 1-th eight) as floats in the kernel's units.
-void load_pair_of(Kind kind, const void* p, int v, __m256& lo, __m256& hi) {
-  switch (kind) {
-    case Kind::kInt8: return load_pair<Kind::kInt8>(p, v, lo, hi);
-    case Kind::kFp8: return load_pair<Kind::kFp8>(p, v, lo, hi);
-    case Kind::kBf16: return load_pair<Kind::kBf16>(p, v, lo, hi);
-    case Kind::kF16: return load_pair<Kind::kF16>(p, v, lo, hi);
-    default: return load_pair<Kind::kF32>(p, v, lo, hi);
+// A tile's 64 weights of one k (W's, at b) as floats in the kernel's units, stored at f.
+template <Kind W>
+inline void tile_to_floats(const uint8_t* b, float* f) {
+#ifdef JAXINFER_LANES16
+  #pragma GCC unroll 4
+  for (int v = 0; v < 4; ++v) _mm512_storeu_ps(f + 16 * v, load16<W>(b, v));
+#else
+  #pragma GCC unroll 4
+  for (int v = 0; v < 8; v += 2) {
+    __m256 lo, hi;
+    load_pair<W>(b, v, lo, hi);
+    _mm256_storeu_ps(f + 8 * v, lo);
+    _mm256_storeu_ps(f + 8 * v + 8, hi);
   }
+#endif
 }
 
-// kn rows of `width` weights of `kind` (`bytes` each) from w (ld elements apart) as floats in the kernel's
-// units, tile after tile ([tile][k][64], zero past `width`), read row by row. Tiles flagged in `nan` (fp8)
-// convert exactly, NaN included.
-void to_panel(const uint8_t* w, int64_t ld, int64_t kn, int64_t width, Kind kind, int64_t bytes, const char* nan,
-              float* out) {
+// to_panel for weights of W.
+template <Kind W>
+void to_panel_as(const uint8_t* w, int64_t ld, int64_t kn, int64_t width, const char* nan, float* out) {
+  constexpr int64_t bytes = kElementBytes<W>;
   for (int64_t k = 0; k < kn; ++k) {
     const uint8_t* row = w + k * ld * bytes;
     for (int64_t t = 0; t * kTile < width; ++t) {
       const uint8_t* b = row + t * kTile * bytes;
       float* f = out + (t * kn + k) * kTile;
       const int64_t cols = std::min(kTile, width - t * kTile);
-      if (cols == kTile && !(kind == Kind::kFp8 && nan[t])) {
-        for (int v = 0; v < 8; v += 2) {
-          __m256 lo, hi;
-          load_pair_of(kind, b, v, lo, hi);
-          _mm256_storeu_ps(f + 8 * v, lo);
-          _mm256_storeu_ps(f + 8 * v + 8, hi);
-        }
+      if (cols == kTile && !(W == Kind::kFp8 && nan[t])) {
+        prefetch_ahead<W>(reinterpret_cast<const char*>(b), kPanelAheadTiles * kTile * bytes);
+        tile_to_floats<W>(b, f);
         continue;
       }
-      for (int64_t j = 0; j < kTile; ++j) f[j] = j >= cols ? 0.f : value_scalar(b + j * bytes, kind);
+      for (int64_t j = 0; j < kTile; ++j) f[j] = j >= cols ? 0.f : value_scalar(b + j * bytes, W);
     }
+  }
+}
+
+// kn rows of `width` weights of `kind` from w (ld elements apart) as floats in the kernel's units, tile after
+// tile ([tile][k][64], zero past `width`), read row by row. Tiles flagged in `nan` (fp8) convert exactly, NaN
+// included.
+void to_panel(const uint8_t* w, int64_t ld, int64_t kn, int64_t width, Kind kind, const char* nan, float* out) {
+  switch (kind) {
+    case Kind::kInt8: return to_panel_as<Kind::kInt8>(w, ld, kn, width, nan, out);
+    case Kind::kFp8: return to_panel_as<Kind::kFp8>(w, ld, kn, width, nan, out);
+    case Kind::kBf16: return to_panel_as<Kind::kBf16>(w, ld, kn, width, nan, out);
+    default: return to_panel_as<Kind::kF16>(w, ld, kn, width, nan, out);
   }
 }
 
@@ -443,10 +459,10 @@ void to_panel(const uint8_t* w, int64_t ld, int64_t kn, int64_t width, Kind kind
 struct Workspace {
   std::vector<float> acc;      // the rows' sums for a group of columns
   std::vector<float> scales;   // a block's scales for the group
-  std::vector<float> floats;   // a segment's weights as floats (the panel)
+  std::vector<float> floats;   // a tile's segment of weights as floats (the panel)
   std::vector<uint8_t> bytes;  // the last tile's weights, zero-padded to 64 columns
   std::vector<char> nan;       // an fp8 segment's tiles holding a NaN
-  std::vector<float> x;        // x, float32 and transposed
+  std::vector<float> x;        // x in float32, where it is not
   std::vector<float> sums;     // the float32 sums of each part of K
 };
 thread_local Workspace workspace;
@@ -483,7 +499,7 @@ void run_item(const Problem& p, const Item& item, T* out, float* sums) {
   std::vector<char>& nan = ws.nan;
   const float unit = unit_of(p.kind);
   const int64_t ahead_tiles = kAheadBytes / (kTile * p.bytes);
-  const float* x = p.x + r0;
+  const float* x = p.x + r0 * p.k;
   for (int64_t g0 = c0; g0 < c1; g0 += group) {
     const int64_t g1 = std::min(c1, g0 + group), width = g1 - g0, lda = (width + kTile - 1) / kTile * kTile;
     std::fill(acc.begin(), acc.begin() + rows * lda, 0.f);
@@ -496,14 +512,16 @@ void run_item(const Problem& p, const Item& item, T* out, float* sums) {
         last = b;
       }
       const uint8_t* src = p.values + (k0 * p.n + g0) * p.bytes;
-      const float* xk = x + k0 * p.m;
+      const float* xk = x + k0;
       if (p.fp8()) find_nans(src, p.n, kn, width, nan);
-      if (panel) {  // the segment's weights converted once for all rows
-        floats.resize(kn * lda);
-        to_panel(src, p.n, kn, width, p.kind, p.bytes, nan.data(), floats.data());
-        for (int64_t t = 0; t * kTile < width; ++t)
-          segment_rows<Kind::kF32>(&floats[t * kn * kTile], kTile, xk, p.m, kn, &scales[t * kTile], &acc[t * kTile],
-                                   lda, rows, std::min(kTile, width - t * kTile));
+      if (panel) {  // each tile's weights converted once for all rows, into a panel that stays in L1
+        floats.resize(kn * kTile);
+        for (int64_t t = 0; t * kTile < width; ++t) {
+          const int64_t cols = std::min(kTile, width - t * kTile);
+          to_panel(src + t * kTile * p.bytes, p.n, kn, cols, p.kind, nan.data() + t, floats.data());
+          segment_rows<Kind::kF32>(floats.data(), kTile, xk, p.k, kn, &scales[t * kTile], &acc[t * kTile], lda, rows,
+                                   cols);
+        }
         continue;
       }
       for (int64_t t = 0, tiles = lda / kTile; t < tiles; ++t) {  // each tile's weights converted as used
@@ -511,8 +529,8 @@ void run_item(const Problem& p, const Item& item, T* out, float* sums) {
         const int64_t cols = std::min(kTile, width - t * kTile);
         if (p.fp8() && nan[t]) {
           floats.resize(kn * kTile);
-          to_panel(w, p.n, kn, cols, Kind::kFp8, 1, nan.data() + t, floats.data());
-          segment_rows<Kind::kF32>(floats.data(), kTile, xk, p.m, kn, &scales[t * kTile], &acc[t * kTile], lda, rows,
+          to_panel(w, p.n, kn, cols, Kind::kFp8, nan.data() + t, floats.data());
+          segment_rows<Kind::kF32>(floats.data(), kTile, xk, p.k, kn, &scales[t * kTile], &acc[t * kTile], lda, rows,
                                    cols);
           continue;
         }
@@ -526,7 +544,7 @@ void run_item(const Problem& p, const Item& item, T* out, float* sums) {
           ldw = kTile;
           ahead = 0;
         }
-        segment_rows_of(p.kind, static_cast<const void*>(w), ldw, xk, p.m, kn, static_cast<const float*>(&scales[t * kTile]),
+        segment_rows_of(p.kind, static_cast<const void*>(w), ldw, xk, p.k, kn, static_cast<const float*>(&scales[t * kTile]),
                         &acc[t * kTile], lda, rows, cols, ahead);
       }
     }
@@ -569,13 +587,17 @@ void quantized_matmul(const Problem& p, T* out, ffi::ThreadPool& pool) {
     return;
   }
   const int64_t tiles = (p.n + kTile - 1) / kTile;
-  const int64_t chunks = (p.m + kRowChunk - 1) / kRowChunk;
-  const int64_t per_worker = std::clamp<int64_t>(tiles / (4 * workers), 1, kItems);
-  const int64_t parts = chunks >= workers ? 1 : std::min(tiles, workers * per_worker);
+  const int64_t chunks = (p.m + kRowChunk - 1) / kRowChunk, chunk_rows = (p.m + chunks - 1) / chunks;
+  int64_t parts = 1;   // of the columns, so that there are about kItems items a worker, their count a multiple of
+  if (workers > 1) {   // the workers' where the columns allow (3 chunks on 2 threads would leave one idle a third)
+    const int64_t per_worker = std::clamp<int64_t>(tiles / (4 * workers), 1, kItems);
+    parts = std::min(tiles, (workers * per_worker + chunks - 1) / chunks);
+    while (parts < tiles && chunks * parts % workers != 0) ++parts;
+  }
   parallel_for(pool, chunks * parts, std::min(workers, chunks * parts) - 1, [&](int64_t i) {
     const int64_t chunk = i / parts, part = i % parts;
-    const int64_t r0 = chunk * kRowChunk, c0 = part * tiles / parts * kTile;
-    const Item item{r0, std::min(p.m, r0 + kRowChunk), c0, std::min(p.n, (part + 1) * tiles / parts * kTile), 0, p.k};
+    const int64_t r0 = chunk * chunk_rows, c0 = part * tiles / parts * kTile;
+    const Item item{r0, std::min(p.m, r0 + chunk_rows), c0, std::min(p.n, (part + 1) * tiles / parts * kTile), 0, p.k};
     run_item<T>(p, item, out, nullptr);
   });
 }
@@ -583,20 +605,22 @@ void quantized_matmul(const Problem& p, T* out, ffi::ThreadPool& pool) {
 template <typename T>
 T* data(ffi::AnyBuffer& b) { return static_cast<T*>(b.untyped_data()); }
 
-// m rows of x (k elements each) as float32, transposed: out [k, m], a k's rows side by side for the register
-// tiles' broadcasts.
+// x's n elements as float32: x itself where it is, else converted into `kept` or `once` (scratch).
 template <typename T>
-void transpose_rows(const T* x, int64_t m, int64_t k, float* out) {
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t j = 0; j < k; ++j) out[j * m + r] = to_float(x[r * k + j]);
+const float* as_float(const T* x, int64_t n, std::vector<float>& kept, std::vector<float>& once) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    float* out = scratch(kept, once, n);
+    for (int64_t i = 0; i < n; ++i) out[i] = to_float(x[i]);
+    return out;
+  }
 }
 
 template <typename T>
 void run(Problem p, ffi::AnyBuffer& x, ffi::AnyBuffer& out, ffi::ThreadPool& pool) {
   std::vector<float> once;
-  float* xt = scratch(workspace.x, once, p.m * p.k);
-  transpose_rows(data<T>(x), p.m, p.k, xt);
-  p.x = xt;
+  p.x = as_float(data<T>(x), p.m * p.k, workspace.x, once);
   quantized_matmul(p, data<T>(out), pool);
 }
 
@@ -671,12 +695,9 @@ void run_grouped(Problem p, const int32_t* sizes, int64_t experts, ffi::AnyBuffe
                                  std::min(p.n, (i + 1) * tiles / parts * kTile), 0, p.k}, nullptr});
   }
   std::vector<float> once_x, once_sums;
-  float* xt = scratch(workspace.x, once_x, start * p.k);
+  const float* xf = as_float(data<T>(x), start * p.k, workspace.x, once_x);
   float* sums = scratch(workspace.sums, once_sums, sums_size);
-  for (int64_t g = 0; g < experts; ++g) {  // each group's rows, transposed
-    transpose_rows(data<T>(x) + starts[g] * p.k, groups[g].m, p.k, xt + starts[g] * p.k);
-    groups[g].x = xt + starts[g] * p.k;
-  }
+  for (int64_t g = 0; g < experts; ++g) groups[g].x = xf + starts[g] * p.k;  // each group's rows
   for (const Split& s : splits) {  // each split's parts' sums, side by side
     const int64_t size = groups[s.g].m * p.n;
     for (int64_t part = 0; part < s.parts; ++part) tasks[s.first + part].sums = sums + part * size;
