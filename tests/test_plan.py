@@ -90,6 +90,21 @@ def test_calibration_times_each_weight_dtype_as_the_engine_multiplies_it(dtype):
     np.testing.assert_allclose(np.asarray(mm(x, w), np.float32), reference, atol=bound * np.abs(reference).max())
 
 
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_weight_read_probe_multiplies_distinct_weights_one_after_another(dtype):
+    """The decode read probe streams as many distinct weights as `total` asks (a weight read again and again
+    would come from the caches), each matmul on the previous one's result."""
+    from jaxinfer.plan.calibrate import weight_bytes, weight_chain
+
+    f, x, weights = weight_chain(jax.devices()[:2], dtype, 64, total=3 * weight_bytes(dtype, 64) - 1)
+    assert len(weights) == 3
+    values = [np.asarray(w.values if hasattr(w, "values") else w) for w in weights]
+    assert not np.array_equal(values[0], values[1]) and not np.array_equal(values[1], values[2])
+    hlo = f.lower(x, weights).compile().as_text()
+    assert hlo.count('custom_call_target="jaxinfer_quantized_matmul"') == (3 if dtype == "int8" else 0)
+    np.testing.assert_array_equal(np.asarray(f(x, weights)), np.asarray(x))   # each product adds 0 times itself
+
+
 def test_workload_parsing_and_the_layouts_a_model_admits(hf_tiny):
     assert Workload.parse("prompt=100, concurrency=3") == Workload(prompt=100, output=256, concurrency=3)
     for bad, why in [("prompt=1,prompt=2", "twice"), ("prompt", "cannot read"), ("tokens=3", "cannot read"),

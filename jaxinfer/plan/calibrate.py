@@ -5,9 +5,11 @@ splits them over the devices of a mesh, jaxinfer.plan.hardware):
 - matmul rate per weight dtype: [256, 1024] x [1024, 1024] per device, float32 and bfloat16 as XLA multiplies
   them; on CPU, bfloat16, int8 and fp8 weights again as the engine holds and multiplies them (the C++ matmul,
   jaxinfer.device.matmul), which the planner takes;
-- weight read rate per weight dtype (CPU): bytes/s of a one-row matmul by a [4096, 4096] weight per device, as
-  the engine runs it: decode's matmuls, where the C++ matmul's conversion of each 1- or 2-byte weight, not
-  the memory, sets the pace;
+- weight read rate per weight dtype (CPU): bytes/s of one-row matmuls by [4096, 4096] weights per device, as
+  the engine runs them: decode's matmuls, where the C++ matmul's conversion of each 1- or 2-byte weight, not
+  only the memory, sets the pace. The weights are distinct, 128 MiB of them a device, multiplied one after
+  another as a model's layers are: one weight multiplied again and again is read from the L3 cache (16.7 MB
+  of int8 fit in 32 MiB), which made bfloat16 weights look 1.5x faster than they run;
 - collectives: an all-reduce over all N devices of 4 bytes (the latency) and of 4 MiB (the bandwidth);
 - step overhead: a decode step of a one-layer model 64 wide on one device (the engine's host work per step:
   schedule, pack, dispatch, fetch).
@@ -74,29 +76,69 @@ def matmul_rate(mesh, n: int, dtype, m: int = 256, k: int = 1024) -> float:
     return 2 * m * k * k / queued_seconds(lambda: mm(a, b))
 
 
-def engine_matmul(devices: list, dtype: str, m: int, k: int) -> tuple[Callable, jax.Array, Any]:
-    """One [m, k] x [k, k] matmul per device, every device at once, by a weight of `dtype` ("float32",
-    "bfloat16", "int8", "fp8") held and multiplied as the engine holds and multiplies a model's on CPU: float32
-    by XLA's dot, the others by the C++ matmul (the 16-bit one with unit scales), in jaxinfer.device.matmul.
-    Activations in float32, bfloat16 for a bfloat16 weight (a bfloat16 model's). Returns (jitted fn, x, w)."""
-    from jaxinfer.checkpoint import ParamSpec
-    from jaxinfer.device.matmul import kernel_weights, model_matmul
+def _probe(devices: list):
+    """A layout with one replica per device, and x's sharding on it."""
     from jaxinfer.mesh import MeshConfig
-    from jaxinfer.quant import quantize
     from jaxinfer.sharding import Layout
 
-    n, axes = len(devices), ("embed", "mlp")
-    layout = Layout(MeshConfig(dp=n).make(devices))
-    w = jax.random.normal(jax.random.key(1), (k, k), jnp.float32) * 0.02
-    x_dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
-    if dtype in ("int8", "fp8"):
-        w = quantize(w, dtype, contract=1, out=1, axes=axes)
-    else:
-        w = w.astype(dtype)
+    layout = Layout(MeshConfig(dp=len(devices)).make(devices))
+    return layout, layout.sharding(("batch", None, None))
+
+
+def held_weight(layout, dtype: str, k: int, key: int = 1) -> Any:
+    """A [k, k] weight of `dtype` ("float32", "bfloat16", "int8", "fp8") on every device, held as the engine
+    holds a model's on CPU (jaxinfer.device.matmul.kernel_weights: the 16-bit one with unit scales)."""
+    from jaxinfer.checkpoint import ParamSpec
+    from jaxinfer.device.matmul import kernel_weights
+    from jaxinfer.quant import quantize
+
+    axes = ("embed", "mlp")
+    w = jax.random.normal(jax.random.key(key), (k, k), jnp.float32) * 0.02
+    w = quantize(w, dtype, contract=1, out=1, axes=axes) if dtype in ("int8", "fp8") else w.astype(dtype)
     w = jax.device_put(w, layout.sharding(()))
-    w = kernel_weights(w, ParamSpec((k, k), axes, "w", contract=1), layout, "cpu")   # a 16-bit weight as it is held
-    x = jax.device_put(jax.random.normal(jax.random.key(0), (n, m, k), x_dtype), layout.sharding(("batch", None, None)))
-    return jax.jit(lambda x, w: model_matmul(x, w, 1, layout, "cpu")), x, w
+    return kernel_weights(w, ParamSpec((k, k), axes, "w", contract=1), layout, "cpu")
+
+
+def _x(dtype: str, shape: tuple, sharding) -> jax.Array:
+    """Activations in float32, bfloat16 for a bfloat16 weight (a bfloat16 model's)."""
+    x_dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+    return jax.device_put(jax.random.normal(jax.random.key(0), shape, x_dtype), sharding)
+
+
+def engine_matmul(devices: list, dtype: str, m: int, k: int) -> tuple[Callable, jax.Array, Any]:
+    """One [m, k] x [k, k] matmul per device, every device at once, by a weight of `dtype` held and multiplied
+    as the engine holds and multiplies a model's on CPU: float32 by XLA's dot, the others by the C++ matmul, in
+    jaxinfer.device.matmul. Returns (jitted fn, x, w)."""
+    from jaxinfer.device.matmul import model_matmul
+
+    layout, rows = _probe(devices)
+    x = _x(dtype, (len(devices), m, k), rows)
+    return jax.jit(lambda x, w: model_matmul(x, w, 1, layout, "cpu")), x, held_weight(layout, dtype, k)
+
+
+def weight_chain(devices: list, dtype: str, k: int, total: int) -> tuple[Callable, jax.Array, list]:
+    """One-row matmuls by distinct [k, k] weights of `dtype` (`engine_matmul`'s), `total` bytes or more of them a
+    device, each waiting for the one before, as a model's layers do: the weights come from memory, not the
+    caches. Returns (jitted fn, x, weights)."""
+    from jaxinfer.device.matmul import model_matmul
+
+    layout, rows = _probe(devices)
+    copies = max(2, -(-total // weight_bytes(dtype, k)))
+    weights = [held_weight(layout, dtype, k, key=1 + i) for i in range(copies)]
+
+    def layers(x, weights):
+        for w in weights:
+            x = x + (model_matmul(x, w, 1, layout, "cpu") * 0).astype(x.dtype)
+        return x
+
+    return jax.jit(layers), _x(dtype, (len(devices), 1, k), rows), weights
+
+
+def weight_read_rate(devices: list, dtype: str, k: int = 4096, total: int = 128 << 20) -> float:
+    """Bytes/s per device at which decode's one-row matmuls read weights of `dtype` (`weight_chain`), every
+    device at once."""
+    f, x, weights = weight_chain(devices, dtype, k, total)
+    return weight_bytes(dtype, k) * len(weights) / queued_seconds(lambda: f(x, weights))
 
 
 def engine_matmul_seconds(devices: list, dtype: str, m: int, k: int) -> float:
@@ -154,10 +196,10 @@ def calibrate(devices: int) -> DeviceKind:
         raise ValueError(f"calibrating for {devices} devices needs that many CPU devices, JAX has {len(cpus)}")
     f = measure(cpus[:devices])
     rates = {"float32": devices * f["matmul_flops"]["float32"]}
-    m, k, rows, read_k = 256, 1024, 1, 4096
+    m, k = 256, 1024
     for dtype in ("bfloat16", "int8", "fp8"):
         rates[dtype] = devices * 2 * m * k * k / engine_matmul_seconds(cpus[:devices], dtype, m, k)
-    reads = {dtype: devices * weight_bytes(dtype, read_k) / engine_matmul_seconds(cpus[:devices], dtype, rows, read_k)
+    reads = {dtype: devices * weight_read_rate(cpus[:devices], dtype)
              for dtype in ("float32", "bfloat16", "int8", "fp8")}
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     kind = DeviceKind("cpu", memory / devices, devices * f["memory_bandwidth"], rates,
