@@ -83,8 +83,9 @@ CASES = {                      # (M, K, N, block): odd sizes on purpose
     "block128_k200": (5, 200, 37, 128),
     "block48_k100": (70, 100, 37, 48),
     # M * K * N past the kernel's 2^23 multiply-adds, on two threads or more where the machine has the cores:
-    "threads_split_k": (3, 2800, 1025, 128),  # up to 8 rows: K in parts (here through a block), sums added
+    "threads_split_k": (3, 2800, 1025, 128),  # up to 4 rows: K in parts (here through a block), sums added
     "threads_columns": (9, 920, 1025, 64),    # more rows: the columns in parts
+    "threads_wide": (4, 160, 20000, 64),      # few rows, but their sums in K's parts would take 2.5 MB: columns
     "threads_panel": (20, 416, 1025, 48),     # the columns in parts, the weights converted once (16 rows on)
     "threads_rows": (100, 288, 301, 64),      # chunks of 96 rows at most, of equal size
     "threads_chunks": (200, 160, 301, 64),    # 3 chunks of 67 rows on 2 threads: the columns in 2 parts as well
@@ -172,7 +173,7 @@ GROUPED = {   # (sizes of the groups, rows of x, K, N, block): empty groups, row
     # from "decode" on, past the kernel's 2^23 multiply-adds in all: the work on two threads or more
     "decode": ([1, 0, 0, 1], 2, 2816, 1500, 128),               # a row per chosen expert, threads splitting K
     "many_rows": ([40, 0, 17], 57, 480, 307, 64),               # the panel path, columns split over threads
-    "mixed": ([6, 30, 2], 40, 320, 700, 64),                    # K in parts for one, columns for another
+    "mixed": ([4, 8, 1], 13, 960, 700, 64),                     # K in parts for 4 rows, columns for 8
     "cut": ([3, 5, 2], 6, 100, 37, 100),                        # groups past the rows: cut at the last row
 }
 

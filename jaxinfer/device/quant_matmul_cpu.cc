@@ -95,7 +95,10 @@ constexpr int64_t kRowChunk = 96;         // rows of x per work item
 constexpr int64_t kAccFloats = 1 << 15;   // accumulator floats per group of columns (128 KiB: L2)
 constexpr int64_t kItems = 4;             // work items per thread, at most (a thread the pool starts late
                                           // finds the others' work taken by the rest, not waiting for it)
-constexpr int64_t kSplitRows = 8;         // rows of x up to which the threads split K (else the columns)
+constexpr int64_t kSplitRows = 4;         // rows of x up to which the threads split K (else the columns) ...
+constexpr int64_t kSplitSums = 2 << 20;   // ... where the parts' float32 sums take this many bytes at most: a
+                                          // bfloat16 LM head's (32000 wide) at 4 rows in 8 parts, 4 MiB written
+                                          // and read again, made a batch-4 decode step slower than the columns
 constexpr int64_t kAheadBytes = 2048;     // how far along its row a line is prefetched before it is read (a
                                           // quarter or an eighth of that reads a 4096-wide weight slower)
 constexpr int64_t kPanelAheadTiles = 2;   // ... when a panel's 128 rows are read a tile at a time (prefetched
@@ -328,6 +331,12 @@ using jaxinfer::parallel_for;   // parallel_for.h
 
 // The multiply-adds from which a call is split over threads.
 int64_t thread_work(Kind kind) { return kind == Kind::kFp8 ? kThreadWorkFp8 : kThreadWork; }
+
+// Whether threads split K (each streaming a contiguous part of the weight, their sums added up after) for m
+// rows of x and n columns in `parts` parts, rather than the columns.
+bool split_k(int64_t m, int64_t n, int64_t parts) {
+  return m <= kSplitRows && parts > 1 && parts * m * n * static_cast<int64_t>(sizeof(float)) <= kSplitSums;
+}
 
 struct Problem {
   int64_t m, k, n, block;
@@ -576,8 +585,9 @@ template <typename T>
 void quantized_matmul(const Problem& p, T* out, ffi::ThreadPool& pool) {
   static const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());  // reads sysfs
   const int64_t workers = p.m * p.k * p.n < thread_work(p.kind) ? 1 : std::min(pool.num_threads() + 1, cores);
-  if (workers > 1 && p.m <= kSplitRows && p.k >= 2 * kSegmentFew * workers) {
-    const int64_t parts = std::min(workers * kItems, p.k / kSegmentFew), size = p.m * p.n;
+  const int64_t k_parts = std::min(workers * kItems, p.k / kSegmentFew);
+  if (workers > 1 && p.k >= 2 * kSegmentFew * workers && split_k(p.m, p.n, k_parts)) {
+    const int64_t parts = k_parts, size = p.m * p.n;
     std::vector<float> once;
     float* sums = scratch(workspace.sums, once, parts * size);
     parallel_for(pool, parts, workers - 1, [&](int64_t i) {
@@ -680,7 +690,7 @@ void run_grouped(Problem p, const int32_t* sizes, int64_t experts, ffi::AnyBuffe
     if (m == 0) continue;
     const int64_t want = std::max<int64_t>(1, (workers * kItems * m + start - 1) / start);   // its share of the parts
     const int64_t k_parts = std::min(want, p.k / kSegmentFew);
-    if (workers > 1 && m <= kSplitRows && k_parts > 1) {
+    if (workers > 1 && split_k(m, p.n, k_parts)) {
       splits.push_back({g, k_parts, static_cast<int64_t>(tasks.size())});
       for (int64_t i = 0; i < k_parts; ++i)
         tasks.push_back({g, Item{0, m, 0, p.n, i * p.k / k_parts, (i + 1) * p.k / k_parts}, nullptr});
