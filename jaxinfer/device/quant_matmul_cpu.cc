@@ -17,9 +17,9 @@
 // of x, and fold them into float32 sums with the block's scale once per segment and column, not per weight.
 // From 16 rows of x on, a segment's weights (128 rows) are converted once, a tile at a time, into a float
 // panel that all rows share (32 KiB: it stays in L1), the classic 6 x 16 register tile on FMA. Calls of
-// kThreadWork multiply-adds or more go to threads (XLA's intra-op pool), which split K for up to 8 rows of x,
-// each streaming its own contiguous part of the weight; more rows go in equal chunks of up to 96 rows, times
-// parts of the columns, a multiple of the threads' count in all. x is read as it lies (row-major; bfloat16 and
+// kThreadWork multiply-adds or more go to threads (XLA's intra-op pool), which split K for up to 4 rows of x
+// (split_k), each streaming its own contiguous part of the weight; more rows go in equal chunks of up to 96
+// rows, times parts of the columns, a multiple of the threads' count in all. x is read as it lies (row-major; bfloat16 and
 // float16 converted first): transposing a prefill's x took as long as its matmul.
 //
 // Operands: x [M, K] (f32, bf16 or f16), values [K, N] (int8, f8e4m3fn, or bf16 or f16: XLA:CPU's 16-bit dots
