@@ -19,8 +19,8 @@
 // panel that all rows share (32 KiB: it stays in L1), the classic 6 x 16 register tile on FMA. Calls of
 // kThreadWork multiply-adds or more go to threads (XLA's intra-op pool), which split K for up to 4 rows of x
 // (split_k), each streaming its own contiguous part of the weight; more rows go in equal chunks of up to 96
-// rows, times parts of the columns, a multiple of the threads' count in all. x is read as it lies (row-major; bfloat16 and
-// float16 converted first): transposing a prefill's x took as long as its matmul.
+// rows (row_chunks), times parts of the columns, a multiple of the threads' count in all. x is read as it lies
+// (row-major; bfloat16 and float16 converted first): transposing a prefill's x took as long as its matmul.
 //
 // Operands: x [M, K] (f32, bf16 or f16), values [K, N] (int8, f8e4m3fn, or bf16 or f16: XLA:CPU's 16-bit dots
 // have no vector path, ~1 GB/s where this loop reads several), scale [ceil(K / block), N] f32.
@@ -234,10 +234,12 @@ inline __m512 load16(const void* p, int v) {
     return _mm512_cvtph_ps(fp8_halves(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(p) + 16 * v))));
   } else if constexpr (W == Kind::kBf16) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + 16 * v));
+    const __m256i h =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + 16 * v));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   } else if constexpr (W == Kind::kF16) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + 16 * v)));
+    return _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + 16 * v)));
   } else {
     return _mm512_loadu_ps(static_cast<const float*>(p) + 16 * v);
   }
@@ -336,6 +338,15 @@ int64_t thread_work(Kind kind) { return kind == Kind::kFp8 ? kThreadWorkFp8 : kT
 // rows of x and n columns in `parts` parts, rather than the columns.
 bool split_k(int64_t m, int64_t n, int64_t parts) {
   return m <= kSplitRows && parts > 1 && parts * m * n * static_cast<int64_t>(sizeof(float)) <= kSplitSums;
+}
+
+// m rows of x as `count` chunks of kRowChunk rows at most, `rows` each but the last.
+struct RowChunks {
+  int64_t count, rows;
+};
+RowChunks row_chunks(int64_t m) {
+  const int64_t count = (m + kRowChunk - 1) / kRowChunk;
+  return {count, (m + count - 1) / count};
 }
 
 struct Problem {
@@ -548,13 +559,14 @@ void run_item(const Problem& p, const Item& item, T* out, float* sums) {
                         p.bytes;
         if (cols < kTile) {  // the last tile: copied, zero-padded, so that every load stays inside the operand
           bytes.assign(kn * kTile * p.bytes, 0);
-          for (int64_t k = 0; k < kn; ++k) std::memcpy(&bytes[k * kTile * p.bytes], w + k * ldw * p.bytes, cols * p.bytes);
+          for (int64_t k = 0; k < kn; ++k)
+            std::memcpy(&bytes[k * kTile * p.bytes], w + k * ldw * p.bytes, cols * p.bytes);
           w = bytes.data();
           ldw = kTile;
           ahead = 0;
         }
-        segment_rows_of(p.kind, static_cast<const void*>(w), ldw, xk, p.k, kn, static_cast<const float*>(&scales[t * kTile]),
-                        &acc[t * kTile], lda, rows, cols, ahead);
+        segment_rows_of(p.kind, static_cast<const void*>(w), ldw, xk, p.k, kn,
+                        static_cast<const float*>(&scales[t * kTile]), &acc[t * kTile], lda, rows, cols, ahead);
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -597,7 +609,8 @@ void quantized_matmul(const Problem& p, T* out, ffi::ThreadPool& pool) {
     return;
   }
   const int64_t tiles = (p.n + kTile - 1) / kTile;
-  const int64_t chunks = (p.m + kRowChunk - 1) / kRowChunk, chunk_rows = (p.m + chunks - 1) / chunks;
+  const RowChunks rc = row_chunks(p.m);
+  const int64_t chunks = rc.count, chunk_rows = rc.rows;
   int64_t parts = 1;   // of the columns, so that there are about kItems items a worker, their count a multiple of
   if (workers > 1) {   // the workers' where the columns allow (3 chunks on 2 threads would leave one idle a third)
     const int64_t per_worker = std::clamp<int64_t>(tiles / (4 * workers), 1, kItems);
@@ -697,11 +710,12 @@ void run_grouped(Problem p, const int32_t* sizes, int64_t experts, ffi::AnyBuffe
       sums_size += k_parts * m * p.n;
       continue;
     }
-    const int64_t chunks = (m + kRowChunk - 1) / kRowChunk;
+    const RowChunks rc = row_chunks(m);
+    const int64_t chunks = rc.count, chunk_rows = rc.rows;
     const int64_t parts = workers == 1 ? 1 : std::clamp<int64_t>((want + chunks - 1) / chunks, 1, tiles);
     for (int64_t c = 0; c < chunks; ++c)
       for (int64_t i = 0; i < parts; ++i)
-        tasks.push_back({g, Item{c * kRowChunk, std::min(m, (c + 1) * kRowChunk), i * tiles / parts * kTile,
+        tasks.push_back({g, Item{c * chunk_rows, std::min(m, (c + 1) * chunk_rows), i * tiles / parts * kTile,
                                  std::min(p.n, (i + 1) * tiles / parts * kTile), 0, p.k}, nullptr});
   }
   std::vector<float> once_x, once_sums;
